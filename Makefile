@@ -1,0 +1,32 @@
+# Every target that runs code first makes sure .venv exists and holds the package.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export REMAT_DATA_DIR ?= $(abspath ../shared/data)
+
+.PHONY: venv train test test-all lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) train.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m "" $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests train.py
+
+clean:
+	rm -rf outputs multirun .pytest_cache

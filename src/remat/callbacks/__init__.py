@@ -1,0 +1,6 @@
+"""Thin Lightning callbacks over :mod:`remat.measure`."""
+
+from remat.callbacks.memory import PeakMemoryMonitor
+from remat.callbacks.timing import StepTimeMonitor
+
+__all__ = ["PeakMemoryMonitor", "StepTimeMonitor"]

@@ -1,0 +1,44 @@
+"""Lightning adapter over :class:`remat.measure.StepTimer`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+
+from remat.measure import StepTimer
+
+
+class StepTimeMonitor(L.Callback):
+    """Times every training batch (device-synchronised), skipping warm-up batches and the
+    batches :class:`PeakMemoryMonitor` is tracking (its CPU tracker slows them).
+
+    Logged per batch: ``time/step_ms`` (ms). ``median_ms`` is the median over the timed
+    batches, ``None`` if the run was too short to time any.
+    """
+
+    def __init__(self, warmup_batches: int = 2) -> None:
+        self.warmup_batches = warmup_batches
+        self.timer: StepTimer | None = None
+        self._record = True
+
+    @property
+    def median_ms(self) -> float | None:
+        return self.timer.median_ms if self.timer else None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.timer = StepTimer(pl_module.device, warmup=self.warmup_batches)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        from remat.callbacks.memory import PeakMemoryMonitor
+
+        self._record = not any(isinstance(cb, PeakMemoryMonitor) and cb.is_tracking()
+                               for cb in trainer.callbacks)
+        self.timer.start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        elapsed = self.timer.stop(record=self._record)
+        if self._record and self.timer.times_ms and self.timer.times_ms[-1] == elapsed:
+            pl_module.log("time/step_ms", elapsed, on_step=True, on_epoch=False, batch_size=1)

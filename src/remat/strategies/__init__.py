@@ -1,0 +1,31 @@
+"""Activation checkpointing strategies for any ``nn.Module`` (no Lightning imports here).
+
+>>> from remat.strategies import build_strategy
+>>> strategy = build_strategy("sqrtn")
+>>> report = strategy.apply(model, stages=["encoder.layer*"])  # doctest: +SKIP
+"""
+
+from remat.strategies.base import CheckpointStrategy, StrategyReport
+from remat.strategies.every_k import EveryK
+from remat.strategies.full import FullCheckpoint
+from remat.strategies.none import NoCheckpoint
+from remat.strategies.registry import STRATEGIES, build_strategy
+from remat.strategies.segments import balanced_segments, every_k_segments, sqrt_segments
+from remat.strategies.sqrtn import SqrtN
+from remat.strategies.stages import StageError, resolve_stages
+
+__all__ = [
+    "STRATEGIES",
+    "CheckpointStrategy",
+    "EveryK",
+    "FullCheckpoint",
+    "NoCheckpoint",
+    "SqrtN",
+    "StageError",
+    "StrategyReport",
+    "balanced_segments",
+    "build_strategy",
+    "every_k_segments",
+    "resolve_stages",
+    "sqrt_segments",
+]

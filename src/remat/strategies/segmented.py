@@ -1,0 +1,183 @@
+"""Segment checkpointing of chains, shared by ``full``, ``sqrtn`` and ``every_k``.
+
+A chain (``nn.Sequential`` or ``nn.ModuleList``) of N blocks is cut into contiguous
+segments; each segment runs under ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)`` so only its input is kept and its inside is recomputed in backward.
+
+The chain is patched in place by binding a new ``forward`` on the instance (a
+``types.MethodType``, so ``copy.deepcopy`` follows the copy), which leaves parameters,
+buffers and ``state_dict`` keys untouched. ``nn.ModuleList`` has no forward of its own: the
+first block of each segment runs the whole segment and the other blocks pass their first
+argument through, which is right for the usual ``for blk in blocks: x = blk(x, *extra)``.
+
+BatchNorm: torch re-runs the forward during recompute, which would update running
+statistics and ``num_batches_tracked`` a second time. During recompute the segment's
+BatchNorm layers therefore write their statistics into throw-away copies of those buffers
+(batch statistics still normalise, so the recomputed values are the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+from remat.strategies.base import CheckpointStrategy, StrategyReport
+from remat.strategies.stages import StageError, require_chain, resolve_stages
+
+_SEGMENTS = "_remat_segments"      # attribute on a patched chain or block
+_PATCHED = "_remat_patched"        # marks an instance-level forward bound by remat
+
+
+_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@contextlib.contextmanager
+def _no_running_stat_updates(blocks: Iterable[nn.Module]) -> Iterator[None]:
+    """Recompute without touching BatchNorm running statistics or ``num_batches_tracked``.
+
+    The recompute must save the same tensors as the forward (torch checks it), so the
+    BatchNorm call itself is left as is and only writes into throw-away copies of the
+    statistic buffers, which are swapped back afterwards.
+    """
+    norms = [m for b in blocks for m in b.modules()
+             if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    originals = [{k: m._buffers[k] for k in _STAT_BUFFERS if m._buffers.get(k) is not None}
+                 for m in norms]
+    for m, bufs in zip(norms, originals, strict=True):
+        for k, buf in bufs.items():
+            m._buffers[k] = buf.clone()
+    try:
+        yield
+    finally:
+        for m, bufs in zip(norms, originals, strict=True):
+            m._buffers.update(bufs)
+
+
+def _context_fn(blocks: list[nn.Module]) -> Callable[[], tuple]:
+    return lambda: (contextlib.nullcontext(), _no_running_stat_updates(blocks))
+
+
+def _run_blocks(blocks: list[nn.Module], x, *args, **kwargs):
+    for block in blocks:
+        x = _original_forward_call(block, x, *args, **kwargs)
+    return x
+
+
+def _original_forward_call(block: nn.Module, *args, **kwargs):
+    """Call a block through ``__call__`` (hooks run) unless remat patched it."""
+    if getattr(block, _PATCHED, False):
+        return type(block).forward(block, *args, **kwargs)
+    return block(*args, **kwargs)
+
+
+def checkpoint_blocks(blocks: list[nn.Module], x, *args, **kwargs):
+    """Run ``blocks`` one after another on ``x`` as one checkpointed segment.
+
+    Only ``x`` (and ``args``) are kept; every activation inside is recomputed in backward,
+    with the forward's RNG state (same dropout masks) and no BatchNorm statistic updates.
+    """
+    fn = functools.partial(_run_blocks, blocks)
+    return checkpoint(fn, x, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=_context_fn(blocks), **kwargs)
+
+
+def _active() -> bool:
+    return torch.is_grad_enabled()
+
+
+def _sequential_forward(self: nn.Sequential, x):
+    """Replacement ``forward`` of a segmented ``nn.Sequential``."""
+    if not (self.training and _active()):
+        return type(self).forward(self, x)
+    blocks = list(self)
+    for start, end in getattr(self, _SEGMENTS):
+        x = checkpoint_blocks(blocks[start:end], x)
+    return x
+
+
+def _segment_head_forward(self: nn.Module, x, *args, **kwargs):
+    """Replacement ``forward`` of the first block of a ModuleList segment."""
+    if not (self.training and _active()):
+        return type(self).forward(self, x, *args, **kwargs)
+    blocks = getattr(self, _SEGMENTS)
+    if len(blocks) > 1 and (args or kwargs):
+        raise StageError(
+            f"a ModuleList segment of {len(blocks)} blocks starting at a "
+            f"{type(self).__name__} is called with extra arguments; the later blocks may "
+            "need other ones, so the segment cannot run as one unit. Use strategy=full "
+            "(one block per segment) for this chain, or make it an nn.Sequential"
+        )
+    return checkpoint_blocks(blocks, x)
+
+
+def _segment_tail_forward(self: nn.Module, x, *args, **kwargs):
+    """Replacement ``forward`` of a later block of a ModuleList segment: already computed."""
+    if not (self.training and _active()):
+        return type(self).forward(self, x, *args, **kwargs)
+    return x
+
+
+def _patch(module: nn.Module, fn: Callable, segments) -> None:
+    object.__setattr__(module, _SEGMENTS, segments)
+    module.forward = types.MethodType(fn, module)
+    object.__setattr__(module, _PATCHED, True)
+
+
+def unpatch(module: nn.Module) -> bool:
+    """Remove a remat ``forward`` patch from one module; returns whether there was one."""
+    if not getattr(module, _PATCHED, False):
+        return False
+    for attr in ("forward", _SEGMENTS, _PATCHED):
+        module.__dict__.pop(attr, None)
+    return True
+
+
+def unpatch_all(model: nn.Module) -> int:
+    """Remove every remat patch under ``model``; returns how many modules were restored."""
+    return sum(unpatch(m) for m in model.modules())
+
+
+class SegmentStrategy(CheckpointStrategy):
+    """Base of the strategies that cut chains into checkpointed segments.
+
+    Subclasses define :meth:`segments_for` (half-open block ranges for a chain of ``n``).
+    """
+
+    def segments_for(self, n: int) -> list[tuple[int, int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
+        """Checkpoint each resolved chain segment by segment (see module docstring).
+
+        Raises:
+            StageError: a stage matches nothing, or is not a chain.
+        """
+        resolved = resolve_stages(model, stages)
+        for path, module in resolved:
+            require_chain(path, module, self.name)
+        report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
+        for path, chain in resolved:
+            for m in chain.modules():
+                unpatch(m)
+            blocks = list(chain)
+            bounds = self.segments_for(len(blocks))
+            if isinstance(chain, nn.Sequential):
+                _patch(chain, _sequential_forward, bounds)
+            else:
+                for start, end in bounds:
+                    _patch(blocks[start], _segment_head_forward, blocks[start:end])
+                    for block in blocks[start + 1:end]:
+                        _patch(block, _segment_tail_forward, None)
+            report.segments[path] = bounds
+            report.wrapped.extend(f"{path}.{i}" for i in range(len(blocks)))
+        return report
+
+    def remove(self, model: nn.Module) -> None:
+        unpatch_all(model)

@@ -1,0 +1,138 @@
+"""Training entry point: ``python train.py ...`` or ``python -m remat.train ...``.
+
+``train(cfg)`` is a plain function (the tests call it with a composed config); ``main`` is
+the thin Hydra wrapper around it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import traceback
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from remat.callbacks import PeakMemoryMonitor, StepTimeMonitor
+from remat.config import check_top_level, config_dir
+from remat.measure import device_name
+
+log = logging.getLogger(__name__)
+
+
+def _instantiate_group(group: DictConfig | None, kind: str) -> list[Any]:
+    """Instantiate every ``_target_`` entry of a callbacks/logger group (a dict of configs)."""
+    if not group:
+        return []
+    if not isinstance(group, DictConfig):
+        raise TypeError(f"{kind} config must be a mapping of name -> config, got {type(group)}")
+    return [instantiate(conf) for _, conf in group.items()
+            if isinstance(conf, DictConfig) and "_target_" in conf]
+
+
+def _to_number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().float().cpu()
+        value = value.item() if value.numel() == 1 else None
+    if isinstance(value, (int, float)) and math.isfinite(float(value)):
+        return float(value)
+    return None
+
+
+def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
+                  status: str, error: str | None = None) -> dict[str, Any]:
+    """The content of ``summary.json``: what ran, what it reached, what it cost.
+
+    Memory in bytes (``peak_memory_bytes``), time in milliseconds (``median_step_ms``).
+    """
+    summary: dict[str, Any] = {
+        "status": status,
+        "task_name": cfg.get("task_name"),
+        "strategy": getattr(getattr(model, "strategy_report", None), "strategy", None),
+        "precision": str(cfg.get("precision")),
+        "accumulate_grad_batches": cfg.get("accumulate_grad_batches"),
+        "batch_size": cfg.data.get("batch_size"),
+        "image_size": cfg.data.get("image_size"),
+        "seed": cfg.get("seed"),
+        "torch_version": torch.__version__,
+        "lightning_version": L.__version__,
+    }
+    if error:
+        summary["error"] = error
+    report = getattr(model, "strategy_report", None)
+    summary["strategy_report"] = report.to_dict() if report is not None else None
+    if trainer is None:
+        return summary
+    memory = next((c for c in trainer.callbacks if isinstance(c, PeakMemoryMonitor)), None)
+    timing = next((c for c in trainer.callbacks if isinstance(c, StepTimeMonitor)), None)
+    metrics = {k: _to_number(v) for k, v in trainer.callback_metrics.items()}
+    ckpt = trainer.checkpoint_callback
+    summary.update({
+        "device": device_name(model.device) if model is not None else None,
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        "metrics": {k: v for k, v in sorted(metrics.items()) if v is not None},
+        "peak_memory_bytes": memory.peak_bytes if memory else None,
+        "peak_memory_breakdown": memory.breakdown if memory else None,
+        "median_step_ms": timing.median_ms if timing else None,
+        "timed_steps": len(timing.timer.times_ms) if timing and timing.timer else 0,
+        "best_model_path": getattr(ckpt, "best_model_path", None) or None,
+        "best_model_score": _to_number(getattr(ckpt, "best_model_score", None)),
+        "monitor": getattr(ckpt, "monitor", None),
+        "last_model_path": getattr(ckpt, "last_model_path", None) or None,
+    })
+    return summary
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train the configured model; return (and write) the run summary.
+
+    Writes into ``cfg.paths.output_dir``: ``config.yaml`` (resolved), CSV logs,
+    ``checkpoints/last.ckpt`` and the best checkpoint by ``cfg.monitor``, ``summary.json``.
+    A run that raises still writes ``summary.json`` with ``status: failed`` and the error.
+
+    Raises:
+        ValueError: bad top-level keys (``precision``, ``accumulate_grad_batches``) or any
+            error of the data, model or strategy configs, naming the key.
+    """
+    check_top_level(cfg)
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    L.seed_everything(cfg.seed, workers=True)
+
+    trainer = model = None
+    try:
+        datamodule = instantiate(cfg.data)
+        strategy = instantiate(cfg.strategy)
+        model = instantiate(cfg.model, strategy=strategy)
+        trainer = instantiate(cfg.trainer, callbacks=_instantiate_group(cfg.get("callbacks"),
+                                                                        "callbacks"),
+                              logger=_instantiate_group(cfg.get("logger"), "logger") or False)
+        trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    except BaseException as err:
+        summary = build_summary(cfg, trainer, model, "failed",
+                                "".join(traceback.format_exception_only(err)).strip())
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        raise
+    summary = build_summary(cfg, trainer, model, "completed")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("summary written to %s", out / "summary.json")
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra app; returns the monitored metric's best value (for sweepers)."""
+    summary = train(cfg)
+    return summary.get("best_model_score")
+
+
+if __name__ == "__main__":
+    main()

@@ -78,7 +78,7 @@ def test_generation_leaves_global_rng_alone():
 
 
 def test_foreground_fraction_is_sane():
-    masks = [render_sample(0, i, 128)[1] for i in range(32)]
+    masks = [render_sample(0, i, 96)[1] for i in range(32)]
     fractions = torch.stack([m.float().mean() for m in masks])
     assert 0.05 <= fractions.mean().item() <= 0.6
     assert fractions.min().item() > 0.005 and fractions.max().item() < 0.9  # both classes always
@@ -87,8 +87,8 @@ def test_foreground_fraction_is_sane():
 def test_mask_not_recoverable_by_intensity_threshold():
     """Even the best per-image, per-channel threshold (an oracle) is far from the mask."""
     dices = []
-    for i in range(32):
-        image, mask = render_sample(0, i, 128)
+    for i in range(24):
+        image, mask = render_sample(0, i, 96)
         dices.append(max(_best_threshold_dice(image[c], mask) for c in range(3)))
     dices = torch.tensor(dices)
     assert dices.mean().item() < 0.7, dices
@@ -98,8 +98,8 @@ def test_mask_not_recoverable_by_intensity_threshold():
 def test_mask_recoverable_from_local_texture_energy():
     """The signal is there: local band-pass energy (stripes) finds the objects."""
     dices = []
-    for i in range(32):
-        image, mask = render_sample(0, i, 128)
+    for i in range(24):
+        image, mask = render_sample(0, i, 96)
         grey = image.mean(0, keepdim=True)
         energy = _box((grey - _box(grey, 13)) ** 2, 9)[0]
         dices.append(_best_threshold_dice(energy, mask))

@@ -60,7 +60,7 @@ class PeakMemory:
         totals: dict[str, int] = {}
         for per_device in snapshot.values():
             for key, value in per_device.items():
-                name = key if isinstance(key, str) else key.value
+                name = str(getattr(key, "value", key))  # plain str: checkpoints load weights_only
                 totals[name] = totals.get(name, 0) + int(value)
         self.breakdown = totals
         self.peak_bytes = totals.get("Total", 0)

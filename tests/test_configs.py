@@ -1,0 +1,70 @@
+"""Every option of every config group composes, and builds what it names."""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+from hydra.errors import MissingConfigException
+from hydra.utils import instantiate
+
+from remat.config import config_dir
+from remat.strategies import CheckpointStrategy
+from tests.helpers import compose_train
+
+GROUPS = ["data", "model", "strategy", "trainer", "callbacks", "logger", "experiment", "debug"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+def test_every_group_has_options():
+    for group in GROUPS + ["paths", "hydra"]:
+        assert _options(group), f"configs/{group}/ is empty"
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_option_composes_and_instantiates(tmp_path, kvasir_root, group, option):
+    cfg = compose_train(tmp_path, [f"{group}={option}", f"data.root={kvasir_root}"]
+                        if group in ("data", "experiment") and "kvasir" in option
+                        else [f"{group}={option}"])
+    strategy = instantiate(cfg.strategy)
+    assert isinstance(strategy, CheckpointStrategy)
+    datamodule = instantiate(cfg.data)
+    assert isinstance(datamodule, L.LightningDataModule)
+    if group in ("model", "experiment", "strategy"):
+        model = instantiate(cfg.model, strategy=strategy)
+        assert model.strategy_report.stages
+    if group in ("trainer", "callbacks", "logger", "debug"):
+        from remat.train import _instantiate_group
+
+        callbacks = _instantiate_group(cfg.get("callbacks"), "callbacks")
+        loggers = _instantiate_group(cfg.get("logger"), "logger")
+        if group == "trainer" and option in ("gpu", "ddp"):
+            return  # needs GPUs / several processes: composing is what is checked here
+        trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+        assert isinstance(trainer, L.Trainer)
+
+
+@pytest.mark.parametrize("group", ["strategy", "model", "data"])
+def test_unknown_option_lists_valid_ones(tmp_path, group):
+    with pytest.raises(MissingConfigException) as err:
+        compose_train(tmp_path, [f"{group}=does_not_exist"])
+    message = str(err.value)
+    assert f"Could not find '{group}/does_not_exist'" in message
+    for option in _options(group):
+        assert option in message
+
+
+def test_top_level_toggles_reach_the_trainer(tmp_path):
+    cfg = compose_train(tmp_path, ["precision=bf16-mixed", "accumulate_grad_batches=3"])
+    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.trainer.accumulate_grad_batches == 3
+
+
+def test_experiment_pins_kvasir_recipe(tmp_path):
+    cfg = compose_train(tmp_path, ["experiment=kvasir_unet"])
+    assert cfg.data._target_.endswith("KvasirSegDataModule")
+    assert cfg.model.encoder_name == "resnet34"
+    assert cfg.data.val_size == 120
+    assert Path(cfg.data.root).name == "Kvasir-SEG"

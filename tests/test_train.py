@@ -1,0 +1,105 @@
+"""End-to-end training through ``train(cfg)`` on tiny synthetic and real data."""
+
+import csv
+import json
+
+import pytest
+import torch
+from hydra.errors import InstantiationException
+
+from remat.strategies import StageError
+from remat.train import train
+from tests.helpers import TINY, TINY_TRAINER, compose_train
+
+
+def _summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("strategy", ["none", "full", "sqrtn"])
+def test_smoke_training_writes_run_outputs(tmp_path, strategy):
+    cfg = compose_train(tmp_path, [*TINY, f"strategy={strategy}"])
+    summary = train(cfg)
+    assert summary == _summary(tmp_path)
+    assert summary["status"] == "completed"
+    assert summary["strategy"] == strategy
+    assert summary["global_step"] == 2  # 8 images / batch 4
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert summary["best_model_path"] and summary["monitor"] == "val/dice"
+    assert (tmp_path / "config.yaml").is_file()
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    assert any(row.get("val/dice") for row in rows)
+    assert 0.0 <= summary["metrics"]["val/dice"] <= 1.0
+    assert summary["peak_memory_bytes"] > summary["peak_memory_breakdown"]["Parameter"] > 0
+    assert summary["torch_version"] == torch.__version__
+    report = summary["strategy_report"]
+    if strategy == "none":
+        assert report["wrapped"] == [] and report["segments"] == {}
+    else:
+        assert report["segments"]["encoder.layer1"][0] == [0, 1]
+        assert "encoder.layer4.1" in report["wrapped"]
+
+
+def test_bf16_mixed_precision_trains(tmp_path):
+    summary = train(compose_train(tmp_path, [*TINY, "strategy=sqrtn", "precision=bf16-mixed"]))
+    assert summary["precision"] == "bf16-mixed"
+    assert summary["status"] == "completed"
+    assert torch.isfinite(torch.tensor(summary["metrics"]["train/loss"]))
+
+
+def test_gradient_accumulation_halves_optimizer_steps(tmp_path):
+    summary = train(compose_train(tmp_path, [*TINY, "strategy=full", "accumulate_grad_batches=2",
+                                             "data.num_train=16"]))
+    assert summary["accumulate_grad_batches"] == 2
+    assert summary["global_step"] == 2  # 4 batches / 2
+
+
+def test_resume_from_last_checkpoint_continues(tmp_path):
+    first = train(compose_train(tmp_path / "a", [*TINY, "strategy=sqrtn"]))
+    resumed = train(compose_train(tmp_path / "b", [*TINY, "strategy=sqrtn",
+                                                   "trainer.max_epochs=2",
+                                                   f"ckpt_path={first['last_model_path']}"]))
+    assert first["global_step"] == 2
+    assert resumed["global_step"] == 4 and resumed["epochs"] == 2
+
+
+def test_tiny_real_kvasir_run(tmp_path, kvasir_root):
+    cfg = compose_train(tmp_path, [
+        "experiment=kvasir_unet", f"data.root={kvasir_root}", "data.image_size=64",
+        "data.limit_train=8", "data.limit_val=4", "data.batch_size=4", "strategy=sqrtn",
+        *TINY_TRAINER,
+    ])
+    summary = train(cfg)
+    assert summary["status"] == "completed"
+    assert summary["global_step"] == 2
+    assert summary["image_size"] == 64
+    assert 0.0 <= summary["metrics"]["val/dice"] <= 1.0
+    assert summary["strategy_report"]["segments"]["encoder.layer3"] == [[0, 2], [2, 4], [4, 6]]
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_accumulate_grad_batches_below_one_is_rejected(tmp_path, value):
+    with pytest.raises(ValueError, match=f"accumulate_grad_batches must be an integer >= 1.*{value}"):
+        train(compose_train(tmp_path, [*TINY, f"accumulate_grad_batches={value}"]))
+
+
+def test_unknown_precision_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="precision='fp8'.*32-true, bf16-mixed, 16-mixed"):
+        train(compose_train(tmp_path, [*TINY, "precision=fp8"]))
+
+
+def test_unknown_stage_names_close_matches_and_run_records_failure(tmp_path):
+    cfg = compose_train(tmp_path, [*TINY, "strategy=sqrtn", "model.stages=[encoder.layr1]"])
+    with pytest.raises(InstantiationException) as err:
+        train(cfg)
+    assert isinstance(err.value.__cause__, StageError) or "StageError" in str(err.value)
+    assert "encoder.layr1" in str(err.value) and "encoder.layer1" in str(err.value)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "failed" and "encoder.layr1" in summary["error"]
+
+
+def test_missing_kvasir_root_says_what_layout_is_expected(tmp_path):
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, "data=kvasir_seg",
+                                   f"data.root={tmp_path / 'nope'}"])
+    with pytest.raises(FileNotFoundError, match="images/"):
+        train(cfg)

@@ -33,13 +33,14 @@ from remat.strategies.stages import StageError, require_chain, resolve_stages
 
 _SEGMENTS = "_remat_segments"      # attribute on a patched chain or block
 _PATCHED = "_remat_patched"        # marks an instance-level forward bound by remat
+_STRATEGY = "_remat_strategy"      # the SegmentStrategy that runs the segments
 
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 @contextlib.contextmanager
-def _no_running_stat_updates(blocks: Iterable[nn.Module]) -> Iterator[None]:
+def no_running_stat_updates(blocks: Iterable[nn.Module]) -> Iterator[None]:
     """Recompute without touching BatchNorm running statistics or ``num_batches_tracked``.
 
     The recompute must save the same tensors as the forward (torch checks it), so the
@@ -60,8 +61,21 @@ def _no_running_stat_updates(blocks: Iterable[nn.Module]) -> Iterator[None]:
             m._buffers.update(bufs)
 
 
-def _context_fn(blocks: list[nn.Module]) -> Callable[[], tuple]:
-    return lambda: (contextlib.nullcontext(), _no_running_stat_updates(blocks))
+def _context_fn(blocks: list[nn.Module], extra: Callable[[], tuple] | None = None
+                ) -> Callable[[], tuple]:
+    """``context_fn`` for ``checkpoint``: the BatchNorm guard around the recompute, plus a
+    strategy's own (forward, recompute) context pair if ``extra`` is given."""
+
+    def make() -> tuple:
+        if extra is None:
+            return contextlib.nullcontext(), no_running_stat_updates(blocks)
+        forward_ctx, recompute_ctx = extra()
+        stack = contextlib.ExitStack()
+        stack.enter_context(no_running_stat_updates(blocks))
+        stack.enter_context(recompute_ctx)
+        return forward_ctx, stack
+
+    return make
 
 
 def _run_blocks(blocks: list[nn.Module], x, *args, **kwargs):
@@ -77,15 +91,18 @@ def _original_forward_call(block: nn.Module, *args, **kwargs):
     return block(*args, **kwargs)
 
 
-def checkpoint_blocks(blocks: list[nn.Module], x, *args, **kwargs):
+def checkpoint_blocks(blocks: list[nn.Module], x, *args,
+                      context_fn: Callable[[], tuple] | None = None, **kwargs):
     """Run ``blocks`` one after another on ``x`` as one checkpointed segment.
 
     Only ``x`` (and ``args``) are kept; every activation inside is recomputed in backward,
     with the forward's RNG state (same dropout masks) and no BatchNorm statistic updates.
+    ``context_fn`` (optional) returns a strategy's own (forward, recompute) context pair, e.g.
+    from ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
     """
     fn = functools.partial(_run_blocks, blocks)
     return checkpoint(fn, x, *args, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=_context_fn(blocks), **kwargs)
+                      context_fn=_context_fn(blocks, context_fn), **kwargs)
 
 
 def _active() -> bool:
@@ -97,8 +114,9 @@ def _sequential_forward(self: nn.Sequential, x):
     if not (self.training and _active()):
         return type(self).forward(self, x)
     blocks = list(self)
+    strategy = getattr(self, _STRATEGY)
     for start, end in getattr(self, _SEGMENTS):
-        x = checkpoint_blocks(blocks[start:end], x)
+        x = strategy.run_segment(blocks[start:end], x)
     return x
 
 
@@ -114,7 +132,9 @@ def _segment_head_forward(self: nn.Module, x, *args, **kwargs):
             "need other ones, so the segment cannot run as one unit. Use strategy=full "
             "(one block per segment) for this chain, or make it an nn.Sequential"
         )
-    return checkpoint_blocks(blocks, x)
+    if len(blocks) == 1:
+        return getattr(self, _STRATEGY).run_segment(blocks, x, *args, **kwargs)
+    return getattr(self, _STRATEGY).run_segment(blocks, x)
 
 
 def _segment_tail_forward(self: nn.Module, x, *args, **kwargs):
@@ -124,8 +144,9 @@ def _segment_tail_forward(self: nn.Module, x, *args, **kwargs):
     return x
 
 
-def _patch(module: nn.Module, fn: Callable, segments) -> None:
+def _patch(module: nn.Module, fn: Callable, segments, strategy: SegmentStrategy) -> None:
     object.__setattr__(module, _SEGMENTS, segments)
+    object.__setattr__(module, _STRATEGY, strategy)
     module.forward = types.MethodType(fn, module)
     object.__setattr__(module, _PATCHED, True)
 
@@ -134,7 +155,7 @@ def unpatch(module: nn.Module) -> bool:
     """Remove a remat ``forward`` patch from one module; returns whether there was one."""
     if not getattr(module, _PATCHED, False):
         return False
-    for attr in ("forward", _SEGMENTS, _PATCHED):
+    for attr in ("forward", _SEGMENTS, _STRATEGY, _PATCHED):
         module.__dict__.pop(attr, None)
     return True
 
@@ -153,6 +174,21 @@ class SegmentStrategy(CheckpointStrategy):
     def segments_for(self, n: int) -> list[tuple[int, int]]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def checkpoint_contexts(self) -> tuple | None:
+        """Extra (forward, recompute) contexts for each checkpoint call; ``None`` for none.
+
+        Override in strategies that steer what is saved inside a segment (selective).
+        """
+        return None
+
+    def run_segment(self, blocks: list[nn.Module], x, *args, **kwargs):
+        """Run one segment in training; override to change how a segment is kept
+        (e.g. offload its boundary)."""
+        extra = self.checkpoint_contexts
+        has_extra = type(self).checkpoint_contexts is not SegmentStrategy.checkpoint_contexts
+        return checkpoint_blocks(blocks, x, *args,
+                                 context_fn=extra if has_extra else None, **kwargs)
+
     def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
         """Checkpoint each resolved chain segment by segment (see module docstring).
 
@@ -169,12 +205,12 @@ class SegmentStrategy(CheckpointStrategy):
             blocks = list(chain)
             bounds = self.segments_for(len(blocks))
             if isinstance(chain, nn.Sequential):
-                _patch(chain, _sequential_forward, bounds)
+                _patch(chain, _sequential_forward, bounds, self)
             else:
                 for start, end in bounds:
-                    _patch(blocks[start], _segment_head_forward, blocks[start:end])
+                    _patch(blocks[start], _segment_head_forward, blocks[start:end], self)
                     for block in blocks[start + 1:end]:
-                        _patch(block, _segment_tail_forward, None)
+                        _patch(block, _segment_tail_forward, None, self)
             report.segments[path] = bounds
             report.wrapped.extend(f"{path}.{i}" for i in range(len(blocks)))
         return report

@@ -105,6 +105,20 @@ class SegmentationModule(L.LightningModule):
         """``[B, in_channels, H, W]`` -> logits ``[B, num_classes, H, W]``."""
         return self.net(images)
 
+    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Dice + cross-entropy loss of a ``{"image", "mask"}`` batch (scalar)."""
+        return self._loss(self(batch["image"]), batch["mask"])
+
+    def example_batch(self, batch_size: int, size: int,
+                      generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Random images ``[batch_size, in_channels, size, size]`` and masks for benchmarks."""
+        classes = 2 if self.binary else self.hparams.num_classes
+        return {
+            "image": torch.randn(batch_size, self.hparams.in_channels, size, size,
+                                 generator=generator),
+            "mask": torch.randint(0, classes, (batch_size, size, size), generator=generator),
+        }
+
     def _loss(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
         if self.binary:

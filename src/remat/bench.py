@@ -1,0 +1,204 @@
+"""Strategies side by side in one process: peak memory, step time, gradient parity.
+
+``python -m remat.bench model=gpt_small batch_size=2 input_size=1024`` or
+``python -m remat.bench model=unet_resnet34 batch_size=2 input_size=512``.
+
+Protocol (GUIDE.md sec. 4): every strategy wraps a copy of the same model (same weights);
+peak memory of one training step (forward, loss, backward; parameters and gradients
+included, no optimizer state) is measured per strategy (CUDA allocator peak, or exact
+tensor-level MemTracker on CPU); step times are interleaved across strategies after
+``warmup`` rounds and the median of ``steps`` timed rounds is kept. A memory saving counts
+only if the strategy's gradients match ``none`` on the same batch and seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import logging
+import platform
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from remat.config import config_dir
+from remat.measure import PeakMemory, StepTimer, device_name, format_bytes
+from remat.strategies import CheckpointStrategy, build_strategy
+
+log = logging.getLogger(__name__)
+
+TOLERANCES = {"32-true": (1e-5, 1e-6), "bf16-mixed": (2e-2, 2e-2), "16-mixed": (1e-2, 1e-2)}
+
+
+@dataclass
+class BenchRow:
+    """One strategy's result. Bytes and milliseconds; ratios are to ``none``."""
+
+    strategy: str
+    peak_bytes: int
+    median_ms: float
+    grads_match: bool
+    max_grad_diff: float
+    peak_ratio: float = float("nan")
+    time_ratio: float = float("nan")
+    step_ms: list[float] = field(default_factory=list)
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "32-true":
+        return nullcontext()
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if dtype is None:
+        raise ValueError(f"bench precision={precision!r}: use 32-true, bf16-mixed or 16-mixed")
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _step(module: L.LightningModule, batch: dict, device: torch.device, precision: str) -> None:
+    module.zero_grad(set_to_none=True)
+    with _autocast(device, precision):
+        loss = module.training_loss(batch)
+    loss.backward()
+
+
+def run_benchmark(base: L.LightningModule, stages: Sequence[str],
+                  strategies: dict[str, CheckpointStrategy], batch: dict[str, torch.Tensor],
+                  device: torch.device | str = "cpu", precision: str = "32-true",
+                  warmup: int = 2, steps: int = 5, seed: int = 0) -> list[BenchRow]:
+    """Measure every strategy on copies of ``base`` (a module with ``training_loss(batch)``).
+
+    Args:
+        base: model without any strategy applied; each strategy wraps a deep copy.
+        stages: stage paths inside ``base.net`` the strategies act on.
+        strategies: name -> strategy; must include ``none`` (the reference).
+        batch: one batch (same for every strategy).
+        warmup, steps: untimed and timed interleaved rounds (>= 1 timed round).
+
+    Returns:
+        one :class:`BenchRow` per strategy, in the given order.
+
+    Raises:
+        ValueError: ``none`` missing, ``steps < 1``, or unknown precision.
+    """
+    if "none" not in strategies:
+        raise ValueError("bench strategies must include 'none', the reference")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got {steps}, {warmup}")
+    device = torch.device(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    models = {}
+    for name, strategy in strategies.items():
+        model = copy.deepcopy(base).to(device).train()
+        strategy.apply(model.net, list(stages))
+        models[name] = model
+
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for name, model in models.items():  # gradient parity: same batch, same RNG
+        torch.manual_seed(seed)
+        _step(model, batch, device, precision)
+        grads[name] = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                       if p.grad is not None}
+    peaks = {}
+    for name, model in models.items():
+        model.zero_grad(set_to_none=True)
+        with PeakMemory(device, modules=[model]) as peak:
+            _step(model, batch, device, precision)
+        peaks[name] = peak
+    timers = {name: StepTimer(device, warmup=warmup) for name in models}
+    for _ in range(warmup + steps):
+        for name, model in models.items():
+            timers[name].start()
+            _step(model, batch, device, precision)
+            timers[name].stop()
+
+    rtol, atol = TOLERANCES.get(precision, (1e-2, 1e-2))
+    rows = []
+    for name in models:
+        ref, got = grads["none"], grads[name]
+        match = ref.keys() == got.keys() and all(
+            torch.allclose(got[k], ref[k], rtol=rtol, atol=atol) for k in ref)
+        diff = max(((got[k] - ref[k]).abs().max().item() for k in ref if k in got), default=0.0)
+        rows.append(BenchRow(name, int(peaks[name].peak_bytes), float(timers[name].median_ms),
+                             bool(match), float(diff), step_ms=timers[name].times_ms))
+    ref_row = rows[0] if rows[0].strategy == "none" else next(r for r in rows
+                                                                 if r.strategy == "none")
+    for row in rows:
+        row.peak_ratio = row.peak_bytes / ref_row.peak_bytes
+        row.time_ratio = row.median_ms / ref_row.median_ms
+    return rows
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """Plain-text table: strategy, peak MiB, x none, median step ms, x none, grads match."""
+    lines = [f"{'strategy':<14}{'peak memory':>14}{'x none':>9}{'step time':>13}{'x none':>9}"
+             f"{'grads match':>13}"]
+    for r in rows:
+        lines.append(f"{r.strategy:<14}{format_bytes(r.peak_bytes):>14}{r.peak_ratio:>9.2f}"
+                     f"{r.median_ms:>10.1f} ms{r.time_ratio:>9.2f}"
+                     f"{'yes' if r.grads_match else 'NO':>13}")
+    return "\n".join(lines)
+
+
+def bench(cfg: DictConfig) -> dict[str, Any]:
+    """Run the benchmark the config describes; write ``bench.csv`` and ``bench.json``.
+
+    Raises:
+        ValueError: unknown strategy (lists valid ones), bad sizes or precision.
+    """
+    if int(cfg.batch_size) < 1 or int(cfg.input_size) < 1:
+        raise ValueError(f"batch_size and input_size must be >= 1, got {cfg.batch_size}, "
+                         f"{cfg.input_size}")
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if cfg.device == "auto" else cfg.device))
+    strategies = {}
+    for spec in cfg.strategies:
+        name, overrides = (spec, {}) if isinstance(spec, str) else (
+            spec["name"], {k: v for k, v in spec.items() if k != "name"})
+        label = name if not overrides else f"{name}({', '.join(f'{k}={v}' for k, v in overrides.items())})"
+        strategies[label] = build_strategy(name, **overrides)
+    L.seed_everything(cfg.seed, workers=False)
+    base = instantiate(cfg.model)  # no strategy: wraps nothing
+    generator = torch.Generator().manual_seed(cfg.seed)
+    batch = base.example_batch(int(cfg.batch_size), int(cfg.input_size), generator)
+    rows = run_benchmark(base, list(cfg.model.stages), strategies, batch, device,
+                         str(cfg.precision), int(cfg.warmup), int(cfg.steps), int(cfg.seed))
+    record = {
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "batch_size": int(cfg.batch_size), "input_size": int(cfg.input_size),
+        "precision": str(cfg.precision), "device": device_name(device),
+        "torch_version": torch.__version__, "machine": platform.machine(),
+        "warmup": int(cfg.warmup), "steps": int(cfg.steps),
+        "rows": [asdict(r) for r in rows],
+    }
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(record, indent=2))
+    with (out / "bench.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["strategy", "peak_bytes", "peak_ratio", "median_ms", "time_ratio",
+                         "grads_match", "max_grad_diff"])
+        for r in rows:
+            writer.writerow([r.strategy, r.peak_bytes, f"{r.peak_ratio:.4f}", f"{r.median_ms:.2f}",
+                             f"{r.time_ratio:.4f}", r.grads_match, f"{r.max_grad_diff:.3g}"])
+    print(f"{cfg.model._target_.rsplit('.', 1)[-1]} batch {cfg.batch_size}, input "
+          f"{cfg.input_size}, {cfg.precision}, {record['device']}, torch {torch.__version__}")
+    print(format_table(rows))
+    return record
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")
+def main(cfg: DictConfig) -> None:
+    """Hydra app around :func:`bench`."""
+    bench(cfg)
+
+
+if __name__ == "__main__":
+    main()

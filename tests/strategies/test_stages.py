@@ -49,3 +49,32 @@ def test_unknown_strategy_lists_valid_names():
 def test_every_k_rejects_k_below_one():
     with pytest.raises(ValueError, match="k must be an int >= 1"):
         build_strategy("every_k", k=0)
+
+
+class _LoopsOverChildren(nn.Module):
+    """A parent that iterates a Sequential's children itself (as some timm
+    ``features_only`` models do), bypassing the Sequential's own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+                                      for _ in range(3)])
+
+    def forward(self, x):
+        for stage in self.blocks:
+            x = stage(x)
+        return x
+
+
+def test_verify_catches_a_chain_the_forward_bypasses():
+    import torch
+
+    model = _LoopsOverChildren()
+    strategy = build_strategy("full")
+    strategy.apply(model, ["blocks"])
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    with pytest.raises(StageError, match=r"never called it.*'blocks\.\*'"):
+        strategy.verify(model)
+    strategy.apply(model, ["blocks.*"])  # the children are called: fine
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    strategy.verify(model)

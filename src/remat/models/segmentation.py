@@ -139,6 +139,11 @@ class SegmentationModule(L.LightningModule):
                  batch_size=batch["image"].shape[0])
         return loss
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not getattr(self, "_strategy_verified", False):
+            self.strategy.verify(self.net)  # the wrapped stages are on the path used
+            self._strategy_verified = True
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         logits = self(batch["image"])
         loss = self._loss(logits, batch["mask"])

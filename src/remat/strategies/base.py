@@ -61,6 +61,12 @@ class CheckpointStrategy(ABC):
     def remove(self, model: nn.Module) -> None:
         """Restore the original behaviour of every module of ``model`` this kind wraps."""
 
+    def verify(self, model: nn.Module) -> None:
+        """Check, after one training forward, that the wrapping is on the code path used.
+
+        The default does nothing; strategies that patch modules override it.
+        """
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({params})"

@@ -34,6 +34,7 @@ from remat.strategies.stages import StageError, require_chain, resolve_stages
 _SEGMENTS = "_remat_segments"      # attribute on a patched chain or block
 _PATCHED = "_remat_patched"        # marks an instance-level forward bound by remat
 _STRATEGY = "_remat_strategy"      # the SegmentStrategy that runs the segments
+_CALLS = "_remat_calls"            # training forwards that went through the patch
 
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -115,6 +116,7 @@ def _sequential_forward(self: nn.Sequential, x):
         return type(self).forward(self, x)
     blocks = list(self)
     strategy = getattr(self, _STRATEGY)
+    object.__setattr__(self, _CALLS, getattr(self, _CALLS, 0) + 1)
     for start, end in getattr(self, _SEGMENTS):
         x = strategy.run_segment(blocks[start:end], x)
     return x
@@ -125,6 +127,7 @@ def _segment_head_forward(self: nn.Module, x, *args, **kwargs):
     if not (self.training and _active()):
         return type(self).forward(self, x, *args, **kwargs)
     blocks = getattr(self, _SEGMENTS)
+    object.__setattr__(self, _CALLS, getattr(self, _CALLS, 0) + 1)
     if len(blocks) > 1 and (args or kwargs):
         raise StageError(
             f"a ModuleList segment of {len(blocks)} blocks starting at a "
@@ -155,9 +158,20 @@ def unpatch(module: nn.Module) -> bool:
     """Remove a remat ``forward`` patch from one module; returns whether there was one."""
     if not getattr(module, _PATCHED, False):
         return False
-    for attr in ("forward", _SEGMENTS, _STRATEGY, _PATCHED):
+    for attr in ("forward", _SEGMENTS, _STRATEGY, _CALLS, _PATCHED):
         module.__dict__.pop(attr, None)
     return True
+
+
+def never_called(model: nn.Module) -> list[str]:
+    """Paths of chains (or segment heads) remat wrapped whose forward has not run in training.
+
+    A parent that iterates over a chain's children instead of calling the chain bypasses
+    the patch, so nothing would be recomputed there.
+    """
+    return [name for name, m in model.named_modules()
+            if getattr(m, _PATCHED, False) and getattr(m, _SEGMENTS, None) is not None
+            and getattr(m, _CALLS, 0) == 0]
 
 
 def unpatch_all(model: nn.Module) -> int:
@@ -199,9 +213,8 @@ class SegmentStrategy(CheckpointStrategy):
         for path, module in resolved:
             require_chain(path, module, self.name)
         report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
+        unpatch_all(model)  # one strategy per model: applying again replaces, never nests
         for path, chain in resolved:
-            for m in chain.modules():
-                unpatch(m)
             blocks = list(chain)
             bounds = self.segments_for(len(blocks))
             if isinstance(chain, nn.Sequential):
@@ -217,3 +230,18 @@ class SegmentStrategy(CheckpointStrategy):
 
     def remove(self, model: nn.Module) -> None:
         unpatch_all(model)
+
+    def verify(self, model: nn.Module) -> None:
+        """Call after one training forward: every wrapped chain must have run through its
+        patch (the code path actually used).
+
+        Raises:
+            StageError: a wrapped chain was bypassed, e.g. its parent loops over its children.
+        """
+        unused = never_called(model)
+        if unused:
+            raise StageError(
+                f"strategy '{self.name}' wrapped {', '.join(unused)}, but the training forward "
+                "never called it: its parent runs the children itself, so nothing is "
+                f"recomputed there. List the children as stages instead, e.g. '{unused[0]}.*'"
+            )

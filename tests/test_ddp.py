@@ -1,0 +1,38 @@
+"""Lightning DDP on 2 CPU processes: every strategy gives the single-process gradients."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from tests.ddp_script import make_module, make_windows
+
+SCRIPT = Path(__file__).with_name("ddp_script.py")
+
+
+def _single_process_grads(strategy: str, samples: int) -> dict[str, torch.Tensor]:
+    module = make_module(strategy).train()
+    batch = default_collate(make_windows()[:samples])
+    module.training_loss(batch).backward()
+    return {n: p.grad for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy,accumulate", [("none", 1), ("full", 1), ("sqrtn", 2),
+                                                 ("every_k", 2)])
+def test_ddp_gradients_equal_on_ranks_and_to_full_batch(tmp_path, strategy, accumulate):
+    env = dict(os.environ, PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(accumulate), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0 = torch.load(tmp_path / "rank0.pt")
+    rank1 = torch.load(tmp_path / "rank1.pt")
+    reference = _single_process_grads("none", samples=2 * accumulate)
+    assert rank0.keys() == rank1.keys() == reference.keys()
+    for key, grad in reference.items():
+        assert torch.equal(rank0[key], rank1[key]), key
+        torch.testing.assert_close(rank0[key], grad, rtol=1e-5, atol=1e-6, msg=key)

@@ -24,8 +24,8 @@ def _single_process_grads(strategy: str, samples: int) -> dict[str, torch.Tensor
 @pytest.mark.parametrize("strategy,accumulate", [("none", 1), ("full", 1), ("sqrtn", 2),
                                                  ("every_k", 2)])
 def test_ddp_gradients_equal_on_ranks_and_to_full_batch(tmp_path, strategy, accumulate):
-    env = dict(os.environ, PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(accumulate), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

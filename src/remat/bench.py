@@ -162,7 +162,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     for spec in cfg.strategies:
         name, overrides = (spec, {}) if isinstance(spec, str) else (
             spec["name"], {k: v for k, v in spec.items() if k != "name"})
-        label = name if not overrides else f"{name}({', '.join(f'{k}={v}' for k, v in overrides.items())})"
+        args = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        label = f"{name}({args})" if overrides else name
         strategies[label] = build_strategy(name, **overrides)
     L.seed_everything(cfg.seed, workers=False)
     base = instantiate(cfg.model)  # no strategy: wraps nothing

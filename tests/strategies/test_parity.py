@@ -168,7 +168,8 @@ def test_dropout_masks_and_inputs_without_grad(container, name):
             super().__init__()
             self.stem = nn.Linear(16, 16)
             blocks = [_Block() for _ in range(5)]
-            self.blocks = nn.Sequential(*blocks) if container is nn.Sequential else nn.ModuleList(blocks)
+            self.blocks = (nn.Sequential(*blocks) if container is nn.Sequential
+                           else nn.ModuleList(blocks))
 
         def forward(self, x):
             x = self.stem(x)

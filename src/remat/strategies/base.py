@@ -64,8 +64,9 @@ class CheckpointStrategy(ABC):
     def verify(self, model: nn.Module) -> None:
         """Check, after one training forward, that the wrapping is on the code path used.
 
-        The default does nothing; strategies that patch modules override it.
+        The default checks nothing; strategies that patch modules override it.
         """
+        return None
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

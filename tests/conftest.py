@@ -6,6 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# The suite runs tiny models, where thread start-up costs more than it saves (notably on a
+# shared 2-core machine); subprocess tests set their own.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

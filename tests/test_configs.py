@@ -25,9 +25,12 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
 def test_option_composes_and_instantiates(tmp_path, kvasir_root, group, option):
-    cfg = compose_train(tmp_path, [f"{group}={option}", f"data.root={kvasir_root}"]
-                        if group in ("data", "experiment") and "kvasir" in option
-                        else [f"{group}={option}"])
+    overrides = [f"{group}={option}"]
+    if "kvasir" in option:
+        overrides.append(f"data.root={kvasir_root}")
+    if option == "timm_native":  # needs a timm model: the tu- ConvNeXt U-Net
+        overrides += ["model=unet_convnext", "model.stages=[encoder.model]"]
+    cfg = compose_train(tmp_path, overrides)
     strategy = instantiate(cfg.strategy)
     assert isinstance(strategy, CheckpointStrategy)
     datamodule = instantiate(cfg.data)

@@ -103,3 +103,11 @@ def test_missing_kvasir_root_says_what_layout_is_expected(tmp_path):
                                    f"data.root={tmp_path / 'nope'}"])
     with pytest.raises(FileNotFoundError, match="images/"):
         train(cfg)
+
+
+def test_compile_strategy_trains_and_says_why_memory_was_not_tracked(tmp_path):
+    summary = train(compose_train(tmp_path, [*TINY, "strategy=compile",
+                                             "strategy.backend=aot_eager"]))
+    assert summary["status"] == "completed" and summary["strategy"] == "compile"
+    assert summary["peak_memory_bytes"] is None
+    assert "MemTracker" in summary["peak_memory_note"]

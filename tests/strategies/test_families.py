@@ -17,7 +17,9 @@ import torch
 from remat.models.gpt import GPT
 from remat.strategies import build_strategy
 
-STRATEGIES = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2})]
+STRATEGIES = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}),
+              ("selective", {"policy": "matmul"}), ("selective", {"policy": "attention"}),
+              ("offload", {}), ("offload", {"segments": "sqrtn"})]
 
 
 def _unet_resnet():

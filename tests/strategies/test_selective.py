@@ -61,6 +61,16 @@ class TinyGPT(nn.Module):
         return self.blocks(self.stem(x))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """On 2 cores shared with other jobs, a second OpenMP thread mostly waits for a core:
+    these small models run about 10x faster on one thread (same results, none vs strategy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def unet():
     torch.manual_seed(0)
@@ -146,8 +156,7 @@ def run(unet, gpt):
     return go
 
 
-# The op-list policy saves the same ops as matmul on the U-Net; it runs on the GPT only.
-CASES = [("unet", "matmul"), ("unet", "attention")] + [("gpt", p) for p in POLICIES]
+CASES = [(m, p) for m in ("unet", "gpt") for p in POLICIES]
 
 
 @pytest.mark.parametrize("model_name,policy", CASES)
@@ -365,13 +374,16 @@ class _InPlace(nn.Module):
         y = self.fc(x)
         if self.mode == "after_read":  # a recomputed op reads y, then y changes in place
             return y.mul_(y.sigmoid())
+        if self.mode == "silu":  # autograd backs y up (clone) before silu_ changes it
+            return F.silu(y, inplace=True) * 2
         return y.relu_() + 1  # in place on a saved matmul output
 
 
-def test_in_place_op_on_a_saved_output_matches_none():
+@pytest.mark.parametrize("mode", ["relu", "silu"])
+def test_in_place_op_on_a_saved_output_matches_none(mode):
     torch.manual_seed(0)
     base = nn.Module()
-    base.blocks = nn.Sequential(_InPlace("relu"), _InPlace("relu"))
+    base.blocks = nn.Sequential(_InPlace(mode), _InPlace(mode))
     x = torch.randn(4, 8)
     grads = []
     for strategy in (build_strategy("none"), SelectiveCheckpoint("matmul")):

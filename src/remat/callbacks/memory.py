@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 
 from remat.measure import PeakMemory
+from remat.strategies import CompileBudget
 
 
 class PeakMemoryMonitor(L.Callback):
@@ -17,7 +18,9 @@ class PeakMemoryMonitor(L.Callback):
     exact but slows the tracked batches, so :class:`StepTimeMonitor` skips them.
 
     Logged: ``mem/peak_bytes`` (bytes) once tracking ends. Read ``peak_bytes`` and
-    ``breakdown`` (category -> bytes) afterwards.
+    ``breakdown`` (category -> bytes) afterwards. On CPU with the ``compile`` strategy nothing
+    is measured (MemTracker and torch.compile cannot run together): ``peak_bytes`` stays
+    ``None`` and ``skipped_reason`` says why.
     """
 
     def __init__(self, track_batches: int = 2) -> None:
@@ -27,6 +30,7 @@ class PeakMemoryMonitor(L.Callback):
         self.peak_bytes: int | None = None
         self.breakdown: dict[str, int] = {}
         self.tracked = 0
+        self.skipped_reason: str | None = None
         self._current: PeakMemory | None = None
 
     def is_tracking(self) -> bool:
@@ -35,7 +39,14 @@ class PeakMemoryMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        if self.tracked >= self.track_batches:
+        if self.tracked >= self.track_batches or self.skipped_reason:
+            return
+        if pl_module.device.type != "cuda" and isinstance(getattr(pl_module, "strategy", None),
+                                                          CompileBudget):
+            # torch.compile refuses to trace while MemTracker's dispatch mode is active
+            self.skipped_reason = ("not measured: the CPU tracker (MemTracker) cannot run "
+                                   "while torch.compile traces the compiled stages")
+            self.tracked = self.track_batches
             return
         self._current = PeakMemory(pl_module.device, modules=[pl_module],
                                    optimizers=trainer.optimizers)

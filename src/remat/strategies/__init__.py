@@ -6,23 +6,31 @@
 """
 
 from remat.strategies.base import CheckpointStrategy, StrategyReport
+from remat.strategies.compiled import CompileBudget
 from remat.strategies.every_k import EveryK
 from remat.strategies.full import FullCheckpoint
 from remat.strategies.none import NoCheckpoint
+from remat.strategies.offload import OffloadCheckpoint
 from remat.strategies.registry import STRATEGIES, build_strategy
+from remat.strategies.selective import SelectiveCheckpoint
 from remat.strategies.segments import balanced_segments, every_k_segments, sqrt_segments
 from remat.strategies.sqrtn import SqrtN
 from remat.strategies.stages import StageError, resolve_stages
+from remat.strategies.timm_native import TimmNative
 
 __all__ = [
     "STRATEGIES",
     "CheckpointStrategy",
+    "CompileBudget",
     "EveryK",
     "FullCheckpoint",
     "NoCheckpoint",
+    "OffloadCheckpoint",
+    "SelectiveCheckpoint",
     "SqrtN",
     "StageError",
     "StrategyReport",
+    "TimmNative",
     "balanced_segments",
     "build_strategy",
     "every_k_segments",

@@ -71,12 +71,18 @@ def _context_fn(blocks: list[nn.Module], extra: Callable[[], tuple] | None = Non
         if extra is None:
             return contextlib.nullcontext(), no_running_stat_updates(blocks)
         forward_ctx, recompute_ctx = extra()
-        stack = contextlib.ExitStack()
-        stack.enter_context(no_running_stat_updates(blocks))
-        stack.enter_context(recompute_ctx)
-        return forward_ctx, stack
+        return forward_ctx, _entered_together(no_running_stat_updates(blocks), recompute_ctx)
 
     return make
+
+
+@contextlib.contextmanager
+def _entered_together(*contexts) -> Iterator[None]:
+    """Enter ``contexts`` when this context is entered (not when it is built)."""
+    with contextlib.ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        yield
 
 
 def _run_blocks(blocks: list[nn.Module], x, *args, **kwargs):
@@ -175,8 +181,13 @@ def never_called(model: nn.Module) -> list[str]:
 
 
 def unpatch_all(model: nn.Module) -> int:
-    """Remove every remat patch under ``model``; returns how many modules were restored."""
-    return sum(unpatch(m) for m in model.modules())
+    """Remove every remat wrapping under ``model`` (segment and compile patches, and timm
+    checkpointing that ``timm_native`` switched on); returns how many modules were restored.
+    Every strategy's ``apply`` starts with it, so strategies replace each other, never nest.
+    """
+    from remat.strategies.timm_native import switch_off_timm_native
+
+    return sum(unpatch(m) + switch_off_timm_native(m) for m in list(model.modules()))
 
 
 class SegmentStrategy(CheckpointStrategy):

@@ -34,15 +34,17 @@ Whatever the preset, a few rules keep the function the same:
   information worth memory;
 - an in-place op is saved when it changes a saved tensor (its result is then the saved
   value) and recomputed when it changes a recomputed one, so the recompute sees the same
-  values as the forward. A recomputed op that read a saved tensor before an in-place op
-  changed it cannot be replayed and raises :class:`RuntimeError` in the forward.
+  values as the forward. The whole-tensor ``clone`` autograd takes of a saved tensor before
+  an in-place op whose backward needs the old values (``silu_``, ``hardtanh_``, as in
+  EfficientNet and MobileNet blocks) is saved too. Any other recomputed op that read a
+  saved tensor before an in-place op changed it cannot be replayed: the forward raises
+  :class:`RuntimeError` naming both ops. (Changes made to a block's output after the block
+  returns are outside the policy's view.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 
@@ -50,11 +52,10 @@ import torch
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
-    checkpoint,
     create_selective_checkpoint_contexts,
 )
 
-from remat.strategies.segmented import SegmentStrategy, _run_blocks, no_running_stat_updates
+from remat.strategies.segmented import SegmentStrategy
 from remat.strategies.segments import every_k_segments
 
 POLICIES = ("matmul", "attention", "ops")
@@ -162,6 +163,17 @@ def _is_random(op, args, kwargs) -> bool:
     return True
 
 
+def _is_backup_of_saved(policy: _RegionPolicy, args, kwargs) -> bool:
+    """Whether ``clone`` copies a whole saved tensor as it is (the backup autograd takes
+    before an in-place op), not a part of it or into another layout (``.contiguous()``)."""
+    t = args[0] if args else None
+    if not isinstance(t, torch.Tensor) or not policy.saved.get(_storage_key(t)):
+        return False
+    return (kwargs.get("memory_format") in (None, torch.preserve_format)
+            and t.storage_offset() == 0
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+
+
 class _RegionPolicy:
     """The policy function of one checkpointed block: per-op decisions of one forward.
 
@@ -170,7 +182,7 @@ class _RegionPolicy:
     """
 
     def __init__(self, decide: Callable[[object, bool], bool], follow_core: bool) -> None:
-        self.decide = decide          # (op packet or overload, reads core) -> save?
+        self.decide = decide          # (op overload, reads the attention core) -> save?
         self.follow_core = follow_core
         self.saved: dict[tuple, bool] = {}     # storage -> saved (True) or recomputed
         self.core: set[tuple] = set()          # storages derived from the attention core
@@ -217,6 +229,11 @@ class _RegionPolicy:
         if mutated or replay_only or random or not (read or written):
             # in-place on a recomputed tensor, views, factories, random ops: recompute
             decision = _RECOMPUTE
+        elif (op.overloadpacket is torch.ops.aten.clone
+              and _is_backup_of_saved(self, args, kwargs)):
+            # The backup autograd takes before an in-place op whose backward needs the old
+            # values (silu_, hardtanh_, ...): the saved original is about to change.
+            decision = _SAVE
         else:
             decision = _SAVE if self.decide(op, reads_core) else _RECOMPUTE
         if decision is _RECOMPUTE and not replay_only:
@@ -241,15 +258,6 @@ def _tensors_per_return(out, schema) -> list[list[torch.Tensor]]:
     if len(schema.returns) == 1:
         return [_tensors(out)]
     return [_tensors(o) for o in out] if isinstance(out, tuple | list) else []
-
-
-@contextlib.contextmanager
-def _together(*contexts):
-    """Enter ``contexts`` when this is entered (not when it is built), exit in reverse."""
-    with contextlib.ExitStack() as stack:
-        for ctx in contexts:
-            stack.enter_context(ctx)
-        yield
 
 
 class SelectiveCheckpoint(SegmentStrategy):
@@ -317,18 +325,3 @@ class SelectiveCheckpoint(SegmentStrategy):
         """
         return create_selective_checkpoint_contexts(self.make_policy(),
                                                     allow_cache_entry_mutation=True)
-
-    def run_segment(self, blocks: list, x, *args, **kwargs):
-        """Checkpoint one block with the selective contexts and the BatchNorm guard.
-
-        Same call as ``SegmentStrategy.run_segment``, except that the recompute context is
-        entered in the recompute only: ``segmented._context_fn`` enters it (and the
-        BatchNorm guard) while building the pair, i.e. already in the forward.
-        """
-        def contexts() -> tuple:
-            forward_ctx, recompute_ctx = self.checkpoint_contexts()
-            return forward_ctx, _together(no_running_stat_updates(blocks), recompute_ctx)
-
-        return checkpoint(functools.partial(_run_blocks, blocks), x, *args,
-                          use_reentrant=False, preserve_rng_state=True, context_fn=contexts,
-                          **kwargs)

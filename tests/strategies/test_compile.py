@@ -1,0 +1,347 @@
+"""``compile``: torch.compile's partitioner under an activation memory budget.
+
+Most tests use the ``aot_eager`` backend (AOTAutograd and the same min-cut partitioner as
+inductor, without code generation); two use ``inductor`` (about 30 s together with a cold
+inductor cache on 2 CPU cores, a few seconds warm).
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from remat.strategies import build_strategy
+from remat.strategies.compiled import CompileBudget, is_compiled_stage
+from remat.strategies.stages import StageError
+
+WIDTH = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: one intra-op thread is far faster on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Block(nn.Module):
+    def __init__(self, width=WIDTH, p=0.0, norm="layer"):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(width) if norm == "batch" else nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class Stack(nn.Module):
+    def __init__(self, n=4, **kwargs):
+        super().__init__()
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.Sequential(*[Block(**kwargs) for _ in range(n)])
+
+    def forward(self, x):
+        return self.blocks(self.stem(x))
+
+
+def _stack(**kwargs):
+    torch.manual_seed(0)
+    return Stack(**kwargs)
+
+
+def _step(model, x, seed=123):
+    """One training forward + backward; returns output, grads and state (BN stats)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(x)
+    out.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_function(got, ref, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(got[0], ref[0], rtol=rtol, atol=atol)
+    assert got[1].keys() == ref[1].keys()
+    for key, grad in got[1].items():
+        torch.testing.assert_close(grad, ref[1][key], rtol=rtol, atol=atol, msg=key)
+
+
+@pytest.mark.parametrize("budget", [-0.1, 1.5, math.nan, "0.5", None, True])
+def test_budget_outside_unit_interval_or_not_a_number_is_rejected(budget):
+    with pytest.raises(ValueError, match=r"budget must be a number in \[0, 1\]"):
+        CompileBudget(budget=budget)
+
+
+def test_unknown_backend_or_mode_is_rejected():
+    with pytest.raises(ValueError, match="unknown torch.compile backend"):
+        CompileBudget(backend="no_such_backend")
+    with pytest.raises(ValueError, match="needs backend='inductor'"):
+        CompileBudget(backend="aot_eager", mode="max-autotune")
+    with pytest.raises(ValueError, match="unknown torch.compile mode"):
+        CompileBudget(mode="fastest")
+
+
+def test_registry_style_construction_and_repr():
+    strategy = CompileBudget(budget=0.25, backend="aot_eager")
+    assert repr(strategy) == ("CompileBudget(budget=0.25, backend='aot_eager', mode=None, "
+                              "dynamic=None)")
+    assert CompileBudget(budget=1).budget == 1.0
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5])
+def test_outputs_gradients_and_state_dict_match_eager(budget):
+    base = _stack()
+    x = torch.randn(16, WIDTH)
+    ref = _step(copy.deepcopy(base), x)
+    model = copy.deepcopy(base)
+    keys = list(model.state_dict())
+    report = CompileBudget(budget, backend="aot_eager").apply(model, ["blocks"])
+    assert report.strategy == "compile"
+    assert report.stages == report.wrapped == ["blocks"]
+    assert list(model.state_dict()) == keys
+    for _ in range(2):  # second step runs the cached graph
+        _assert_same_function(_step(model, x), ref)
+
+
+def _saved_activation_bytes(model, x):
+    """Bytes autograd keeps for backward after one forward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    out.sum().backward()
+    return sum(sizes)
+
+
+def test_lower_budget_saves_fewer_activation_bytes():
+    """Budgets 1.0 > 0.5 > 0.0 on the same stack, in one process: each model also gets its
+    own budget, though dynamo would reuse one graph across identical models compiled with
+    the same backend object."""
+    base = Stack(n=4, p=0.0)
+    x = torch.randn(32, WIDTH)
+    model = copy.deepcopy(base).train()
+    saved = {"eager": _saved_activation_bytes(model, x)}
+    for budget in (1.0, 0.5, 0.0):
+        model = copy.deepcopy(base).train()
+        CompileBudget(budget, backend="aot_eager").apply(model, ["blocks"])
+        model(x).sum().backward()  # compile first, then count what the compiled graph keeps
+        saved[budget] = _saved_activation_bytes(model, x)
+        assert vars(model.blocks)["_remat_strategy"].backend.random_ops == []  # p=0: none
+    one = x.numel() * x.element_size()  # x and the stem's output have the same size
+    assert saved["eager"] >= saved[1.0] > saved[0.5] > saved[0.0]
+    # budget 0 keeps the stage's input only (plus x, which the eager stem keeps)
+    assert saved[0.0] == 2 * one, saved
+
+
+def test_batchnorm_running_stats_update_once_per_step():
+    base = _stack(norm="batch")
+    x = torch.randn(16, WIDTH)
+    ref_model = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    CompileBudget(0.0, backend="aot_eager").apply(model, ["blocks"])
+    for _ in range(3):
+        ref = _step(ref_model, x)
+        got = _step(model, x)
+    _assert_same_function(got, ref)
+    assert int(got[2]["blocks.0.norm.num_batches_tracked"]) == 3
+    for key, value in ref[2].items():
+        torch.testing.assert_close(got[2][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _plain_budget_backend(budget):
+    inner = torch._dynamo.lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return inner(gm, example_inputs)
+
+    return backend
+
+
+def test_control_plain_budget_compile_corrupts_dropout_gradients():
+    """Control for the workaround below (pytorch/pytorch#190758): a plain budget-0 compile
+    recomputes dropout in backward with a new mask. If this fails, torch fixed the bug."""
+    base = _stack(p=0.5)
+    x = torch.randn(16, WIDTH)
+    ref = _step(copy.deepcopy(base), x)
+    model = copy.deepcopy(base)
+    model.blocks.compile(backend=_plain_budget_backend(0.0))
+    got = _step(model, x)
+    assert got[2].keys() == ref[2].keys()  # nn.Module.compile() keeps state_dict keys too
+    assert torch.equal(got[0], ref[0])  # same forward masks ...
+    assert not torch.allclose(got[1]["blocks.0.fc1.weight"], ref[1]["blocks.0.fc1.weight"])
+
+
+def test_dropout_masks_kept_so_gradients_match_eager_at_every_budget():
+    """aot_eager draws eager's masks (same ATen ops, same generator); the masks are saved,
+    not redrawn in backward, while the rest still follows the budget."""
+    base = _stack(p=0.5)
+    x = torch.randn(16, WIDTH)
+    ref = _step(copy.deepcopy(base), x)
+    saved = {}
+    for budget in (1.0, 0.5, 0.0):
+        model = copy.deepcopy(base)
+        CompileBudget(budget, backend="aot_eager").apply(model, ["blocks"])
+        got = _step(model, x)
+        assert torch.equal(got[0], ref[0])
+        _assert_same_function(got, ref)
+        random_ops = vars(model.blocks)["_remat_strategy"].backend.random_ops
+        assert random_ops == ([] if budget == 1.0 else ["aten.native_dropout.default"] * 4)
+        saved[budget] = _saved_activation_bytes(model, x)
+    assert saved[1.0] > saved[0.5] > saved[0.0]
+
+
+def test_eval_and_no_grad_run_the_eager_forward():
+    base = _stack(norm="batch", p=0.5)
+    x = torch.randn(8, WIDTH)
+    model = copy.deepcopy(base)
+    CompileBudget(0.0, backend="aot_eager").apply(model, ["blocks"])
+    stage = vars(model.blocks)["_remat_strategy"]
+    model.eval()
+    base.eval()
+    assert torch.equal(model(x), base(x))
+    model(x).sum().backward()  # eval with grad: eager too
+    model.train()
+    base.train()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        out = model(x)
+        torch.manual_seed(5)
+        assert torch.equal(out, base(x))
+    assert stage.calls == 0 and stage.backend is None  # nothing compiled
+
+
+def test_apply_twice_equals_once_remove_restores_and_other_strategies_replace():
+    base = _stack()
+    x = torch.randn(8, WIDTH)
+    model = copy.deepcopy(base)
+    build_strategy("sqrtn").apply(model, ["blocks"])
+    strategy = CompileBudget(0.0, backend="aot_eager")
+    first = strategy.apply(model, ["blocks"])
+    second = strategy.apply(model, ["blocks"])
+    assert first == second
+    patched = [name for name, m in model.named_modules() if "forward" in vars(m)]
+    assert patched == ["blocks"] and is_compiled_stage(model.blocks)  # sqrtn's patch is gone
+    _assert_same_function(_step(model, x), _step(copy.deepcopy(base), x))
+    strategy.remove(model)
+    assert not any("forward" in vars(m) or hasattr(m, "_remat_strategy")
+                   for m in model.modules())
+    build_strategy("none").apply(model, ["blocks"])
+    assert torch.equal(model(x), base(x))
+    CompileBudget(backend="aot_eager").apply(model, ["blocks"])
+    build_strategy("full").apply(model, ["blocks"])  # a segment strategy replaces compile
+    assert not is_compiled_stage(model.blocks)
+
+
+def test_deepcopy_compiles_the_copy_for_its_own_parameters():
+    model = _stack()
+    x = torch.randn(8, WIDTH)
+    CompileBudget(0.0, backend="aot_eager").apply(model, ["blocks"])
+    _step(model, x)
+    clone = copy.deepcopy(model)
+    assert clone.blocks.forward.__self__ is clone.blocks
+    with torch.no_grad():
+        for p in clone.blocks.parameters():
+            p.zero_()
+    # with zero weights each residual block is the identity on the stem's output
+    out = clone.train()(x)
+    torch.testing.assert_close(out, clone.stem(x))
+    assert vars(clone.blocks)["_remat_strategy"].backend.graphs == 1
+
+
+def test_each_stage_has_its_own_compile_cache():
+    """nn.Module.compile() shares one code object, so dynamo's limit of 8 cache entries
+    would make the 9th differently-shaped stage run eager; remat gives each stage its own."""
+    torch.manual_seed(0)
+    widths = [4 + i for i in range(10)]
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(w, w + 1), nn.GELU()) for w in widths])
+    report = CompileBudget(0.5, backend="aot_eager").apply(model, ["*"])
+    assert len(report.wrapped) == 10
+    model.train()
+    model(torch.randn(2, 4)).sum().backward()
+    CompileBudget(backend="aot_eager").verify(model)  # every stage produced a graph
+
+
+def test_module_list_stage_and_bypassed_stage_are_reported():
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(Block(), Block())
+            self.more = nn.ModuleList([Block()])
+
+        def forward(self, x):
+            for block in self.blocks:  # bypasses blocks.forward
+                x = block(x)
+            return self.more[0](x)
+
+    model = Loop()
+    strategy = CompileBudget(backend="aot_eager")
+    with pytest.raises(StageError, match=r"'more' is a ModuleList.*'more\.\*'"):
+        strategy.apply(model, ["more"])
+    strategy.apply(model, ["blocks", "more.0"])
+    model(torch.randn(4, WIDTH)).sum().backward()
+    with pytest.raises(StageError, match=r"compiled blocks, but the training forward never"):
+        strategy.verify(model)
+
+
+def test_verify_reports_a_stage_that_ran_eager_under_a_dispatch_mode():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = _stack()
+    strategy = CompileBudget(backend="aot_eager")
+    strategy.apply(model, ["blocks"])
+    with MemTracker():  # dynamo skips frames while a TorchDispatchMode is active
+        _step(model, torch.randn(4, WIDTH))
+    with pytest.raises(StageError, match=r"no graph for blocks.*TorchDispatchMode"):
+        strategy.verify(model)
+
+
+def test_inductor_outputs_gradients_and_saved_bytes():
+    """One real inductor compile (C++ kernels on CPU): equal within float tolerance, and
+    budget 0 keeps only the stage input."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    holder = nn.Sequential(base)
+    x = torch.randn(8, 16)
+    ref = _step(copy.deepcopy(holder), x)
+    model = copy.deepcopy(holder)
+    CompileBudget(0.0, backend="inductor").apply(model, ["0"])
+    got = _step(model, x)
+    _assert_same_function(got, ref, rtol=1e-4, atol=1e-5)  # not bitwise: fused kernels
+    assert _saved_activation_bytes(model, x) == x.numel() * x.element_size()
+    CompileBudget(backend="inductor").verify(model)
+
+
+def test_inductor_dropout_masks_differ_from_eager_unless_fallback_random():
+    """inductor draws dropout masks with its own kernels (other numbers than eager) and keeps
+    them at budget 0 (same gradients as at 1.0); torch._inductor.config.fallback_random=True
+    calls the ATen ops and gives eager's masks and gradients."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 16)))
+    x = torch.randn(8, 16)
+    ref = _step(copy.deepcopy(base), x)
+    runs = {}
+    for budget in (1.0, 0.0):
+        model = copy.deepcopy(base)
+        CompileBudget(budget, backend="inductor").apply(model, ["0"])
+        runs[budget] = _step(model, x)
+    assert not torch.allclose(runs[1.0][0], ref[0], rtol=1e-4, atol=1e-5)
+    _assert_same_function(runs[0.0], runs[1.0], rtol=1e-4, atol=1e-5)
+    model = copy.deepcopy(base)
+    CompileBudget(0.0, backend="inductor").apply(model, ["0"])
+    with torch._inductor.config.patch(fallback_random=True):  # for forward and backward
+        got = _step(model, x)
+    _assert_same_function(got, ref, rtol=1e-4, atol=1e-5)

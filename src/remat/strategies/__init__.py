@@ -12,8 +12,8 @@ from remat.strategies.full import FullCheckpoint
 from remat.strategies.none import NoCheckpoint
 from remat.strategies.offload import OffloadCheckpoint
 from remat.strategies.registry import STRATEGIES, build_strategy
-from remat.strategies.selective import SelectiveCheckpoint
 from remat.strategies.segments import balanced_segments, every_k_segments, sqrt_segments
+from remat.strategies.selective import SelectiveCheckpoint
 from remat.strategies.sqrtn import SqrtN
 from remat.strategies.stages import StageError, resolve_stages
 from remat.strategies.timm_native import TimmNative

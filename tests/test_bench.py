@@ -77,7 +77,7 @@ def test_memory_goals_on_the_16_block_transformer_stack():
     base = SequenceModule(vocab_size=256, block_size=1024, n_layer=16, n_head=4, n_embd=256,
                           dropout=0.1)
     batch = base.example_batch(2, 1024, torch.Generator().manual_seed(0))
-    names = ["none", "full", "sqrtn"]
+    names = ["none", "full", "sqrtn", "selective"]
     rows = run_benchmark(base, ["blocks"], {n: build_strategy(n) for n in names}, batch,
                          warmup=0, steps=1)
     by = {r.strategy: r for r in rows}
@@ -85,3 +85,4 @@ def test_memory_goals_on_the_16_block_transformer_stack():
     assert all(r.grads_match for r in rows)
     assert by["full"].peak_ratio <= 0.35
     assert by["sqrtn"].peak_ratio <= 0.50
+    assert by["selective"].peak_ratio < 1.0  # policy matmul

@@ -22,7 +22,8 @@ def _single_process_grads(strategy: str, samples: int) -> dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize("strategy,accumulate", [("none", 1), ("full", 1), ("sqrtn", 2),
-                                                 ("every_k", 2)])
+                                                 ("every_k", 2), ("selective", 2),
+                                                 ("offload", 1)])
 def test_ddp_gradients_equal_on_ranks_and_to_full_batch(tmp_path, strategy, accumulate):
     path = os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path)

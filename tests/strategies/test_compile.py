@@ -19,15 +19,6 @@ from remat.strategies.stages import StageError
 WIDTH = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread is far faster on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Block(nn.Module):
     def __init__(self, width=WIDTH, p=0.0, norm="layer"):
         super().__init__()

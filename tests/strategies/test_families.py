@@ -125,9 +125,10 @@ def test_bf16_autocast_gradients_within_bf16_tolerance(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_recompute_happens_on_the_code_path_used_and_not_in_eval(family):
+@pytest.mark.parametrize("strategy,overrides", STRATEGIES)
+def test_recompute_happens_on_the_code_path_used_and_not_in_eval(family, strategy, overrides):
     model, stages, x = _family(family)
-    report = build_strategy("full").apply(model, stages)
+    report = build_strategy(strategy, **overrides).apply(model, stages)
     blocks = [model.get_submodule(p) for p in report.wrapped]
     calls = {id(b): 0 for b in blocks}
 
@@ -152,10 +153,12 @@ def test_recompute_happens_on_the_code_path_used_and_not_in_eval(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_apply_twice_is_once_remove_restores_state_dict_keys_stable(family):
+@pytest.mark.parametrize("strategy,overrides", STRATEGIES)
+def test_apply_twice_is_once_remove_restores_state_dict_keys_stable(family, strategy,
+                                                                    overrides):
     model, stages, x = _family(family)
     keys = list(model.state_dict())
-    strategy = build_strategy("sqrtn")
+    strategy = build_strategy(strategy, **overrides)
     assert strategy.apply(model, stages) == strategy.apply(model, stages)
     assert list(model.state_dict()) == keys
     fresh, _, _ = _family(family)

@@ -21,15 +21,6 @@ from remat.strategies.timm_native import TimmNative, feature_wrapper_checkpointe
 CONVNEXT_CHAINS = ["encoder.model.stages_*.blocks"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small ops: one intra-op thread is far faster on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def vit():
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from remat.config import config_dir
 from remat.measure import PeakMemory, StepTimer, device_name, format_bytes
@@ -138,10 +138,11 @@ def run_benchmark(base: L.LightningModule, stages: Sequence[str],
 
 def format_table(rows: Sequence[BenchRow]) -> str:
     """Plain-text table: strategy, peak MiB, x none, median step ms, x none, grads match."""
-    lines = [f"{'strategy':<14}{'peak memory':>14}{'x none':>9}{'step time':>13}{'x none':>9}"
+    w = max([len("strategy"), *(len(r.strategy) for r in rows)]) + 2
+    lines = [f"{'strategy':<{w}}{'peak memory':>14}{'x none':>9}{'step time':>13}{'x none':>9}"
              f"{'grads match':>13}"]
     for r in rows:
-        lines.append(f"{r.strategy:<14}{format_bytes(r.peak_bytes):>14}{r.peak_ratio:>9.2f}"
+        lines.append(f"{r.strategy:<{w}}{format_bytes(r.peak_bytes):>14}{r.peak_ratio:>9.2f}"
                      f"{r.median_ms:>10.1f} ms{r.time_ratio:>9.2f}"
                      f"{'yes' if r.grads_match else 'NO':>13}")
     return "\n".join(lines)
@@ -153,6 +154,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ValueError: unknown strategy (lists valid ones), bad sizes or precision.
     """
+    if str(cfg.precision) == "16-mixed" and not (cfg.device != "cpu" and torch.cuda.is_available()):
+        raise ValueError("bench precision=16-mixed needs a CUDA device; on CPU use bf16-mixed")
     if int(cfg.batch_size) < 1 or int(cfg.input_size) < 1:
         raise ValueError(f"batch_size and input_size must be >= 1, got {cfg.batch_size}, "
                          f"{cfg.input_size}")
@@ -166,13 +169,16 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         label = f"{name}({args})" if overrides else name
         strategies[label] = build_strategy(name, **overrides)
     L.seed_everything(cfg.seed, workers=False)
-    base = instantiate(cfg.model)  # no strategy: wraps nothing
+    model_cfg = cfg.model.copy()
+    with open_dict(model_cfg):  # one step, no optimizer: the scheduler (and its ${trainer...}) goes
+        model_cfg.scheduler = None
+    base = instantiate(model_cfg)  # no strategy: wraps nothing
     generator = torch.Generator().manual_seed(cfg.seed)
     batch = base.example_batch(int(cfg.batch_size), int(cfg.input_size), generator)
     rows = run_benchmark(base, list(cfg.model.stages), strategies, batch, device,
                          str(cfg.precision), int(cfg.warmup), int(cfg.steps), int(cfg.seed))
     record = {
-        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "model": OmegaConf.to_container(model_cfg, resolve=True),
         "batch_size": int(cfg.batch_size), "input_size": int(cfg.input_size),
         "precision": str(cfg.precision), "device": device_name(device),
         "torch_version": torch.__version__, "machine": platform.machine(),
@@ -192,6 +198,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     print(f"{cfg.model._target_.rsplit('.', 1)[-1]} batch {cfg.batch_size}, input "
           f"{cfg.input_size}, {cfg.precision}, {record['device']}, torch {torch.__version__}")
     print(format_table(rows))
+    print(f"wrote {out / 'bench.csv'} and {out / 'bench.json'}")
     return record
 
 

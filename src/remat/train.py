@@ -45,6 +45,17 @@ def _to_number(value: Any) -> float | None:
     return None
 
 
+def _strategy_choice(cfg: DictConfig) -> str | None:
+    """The strategy named on the command line / in the defaults, for runs that failed early."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.get("strategy")
+    except ValueError:  # no Hydra app around this call
+        target = cfg.get("strategy", {}).get("_target_") if cfg.get("strategy") else None
+        return target.rsplit(".", 1)[-1] if target else None
+
+
 def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
                   status: str, error: str | None = None) -> dict[str, Any]:
     """The content of ``summary.json``: what ran, what it reached, what it cost.
@@ -54,7 +65,8 @@ def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
     summary: dict[str, Any] = {
         "status": status,
         "task_name": cfg.get("task_name"),
-        "strategy": getattr(getattr(model, "strategy_report", None), "strategy", None),
+        "strategy": getattr(getattr(model, "strategy_report", None), "strategy", None)
+        or _strategy_choice(cfg),
         "precision": str(cfg.get("precision")),
         "accumulate_grad_batches": cfg.get("accumulate_grad_batches"),
         "batch_size": cfg.data.get("batch_size"),
@@ -79,7 +91,6 @@ def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
         "epochs": trainer.current_epoch,
         "metrics": {k: v for k, v in sorted(metrics.items()) if v is not None},
         "peak_memory_bytes": memory.peak_bytes if memory else None,
-        "peak_memory_breakdown": memory.breakdown if memory else None,
         "peak_memory_note": memory.skipped_reason if memory else "no PeakMemoryMonitor callback",
         "median_step_ms": timing.median_ms if timing else None,
         "timed_steps": len(timing.timer.times_ms) if timing and timing.timer else 0,
@@ -102,14 +113,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ValueError: bad top-level keys (``precision``, ``accumulate_grad_batches``) or any
             error of the data, model or strategy configs, naming the key.
     """
-    check_top_level(cfg)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-    L.seed_everything(cfg.seed, workers=True)
-
     trainer = model = None
     try:
+        check_top_level(cfg)
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+        L.seed_everything(cfg.seed, workers=True)
         datamodule = instantiate(cfg.data)
         strategy = instantiate(cfg.strategy)
         model = instantiate(cfg.model, strategy=strategy)

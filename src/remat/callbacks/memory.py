@@ -17,10 +17,12 @@ class PeakMemoryMonitor(L.Callback):
     its own :class:`~remat.measure.PeakMemory`; the maximum is kept. On CPU the tracker is
     exact but slows the tracked batches, so :class:`StepTimeMonitor` skips them.
 
-    Logged: ``mem/peak_bytes`` (bytes) once tracking ends. Read ``peak_bytes`` and
-    ``breakdown`` (category -> bytes) afterwards. On CPU with the ``compile`` strategy nothing
-    is measured (MemTracker and torch.compile cannot run together): ``peak_bytes`` stays
-    ``None`` and ``skipped_reason`` says why.
+    Logged: ``mem/peak_bytes`` (bytes) once tracking ends; read ``peak_bytes`` afterwards.
+    Only the total is kept: Lightning runs forward and backward inside
+    ``optimizer.step(closure)``, so MemTracker would file activations under optimizer
+    state. On CPU with the ``compile`` strategy nothing is measured (MemTracker and
+    torch.compile cannot run together): ``peak_bytes`` stays ``None`` and
+    ``skipped_reason`` says why.
     """
 
     def __init__(self, track_batches: int = 2) -> None:
@@ -28,7 +30,6 @@ class PeakMemoryMonitor(L.Callback):
             raise ValueError(f"PeakMemoryMonitor: track_batches must be >= 0, got {track_batches}")
         self.track_batches = track_batches
         self.peak_bytes: int | None = None
-        self.breakdown: dict[str, int] = {}
         self.tracked = 0
         self.skipped_reason: str | None = None
         self._current: PeakMemory | None = None
@@ -60,7 +61,7 @@ class PeakMemoryMonitor(L.Callback):
         peak, self._current = self._current, None
         self.tracked += 1
         if self.peak_bytes is None or peak.peak_bytes > self.peak_bytes:
-            self.peak_bytes, self.breakdown = peak.peak_bytes, peak.breakdown
+            self.peak_bytes = peak.peak_bytes
         if self.tracked == self.track_batches:
             pl_module.log("mem/peak_bytes", float(self.peak_bytes), on_step=True,
                           on_epoch=False, batch_size=1)
@@ -72,10 +73,9 @@ class PeakMemoryMonitor(L.Callback):
             self._current = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "breakdown": self.breakdown,
+        return {"peak_bytes": self.peak_bytes,
                 "tracked": self.tracked}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.peak_bytes = state_dict.get("peak_bytes")
-        self.breakdown = state_dict.get("breakdown", {})
         self.tracked = state_dict.get("tracked", 0)

@@ -14,6 +14,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryJaccardIndex, MulticlassJaccardIndex
 from torchmetrics.segmentation import DiceScore, MeanIoU
 
+from remat.models.checks import require_keys, warn_if_schedule_ends_early
 from remat.strategies import CheckpointStrategy, NoCheckpoint, StrategyReport
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class SegmentationModule(L.LightningModule):
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Dice + cross-entropy loss of a ``{"image", "mask"}`` batch (scalar)."""
+        require_keys(batch, ("image", "mask"), "SegmentationModule")
         return self._loss(self(batch["image"]), batch["mask"])
 
     def example_batch(self, batch_size: int, size: int,
@@ -132,9 +134,11 @@ class SegmentationModule(L.LightningModule):
             return (logits[:, 0] > 0).long()
         return logits.argmax(dim=1)
 
+    def on_train_start(self) -> None:
+        warn_if_schedule_ends_early(self.trainer)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self(batch["image"])
-        loss = self._loss(logits, batch["mask"])
+        loss = self.training_loss(batch)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True,
                  batch_size=batch["image"].shape[0])
         return loss
@@ -145,6 +149,7 @@ class SegmentationModule(L.LightningModule):
             self._strategy_verified = True
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        require_keys(batch, ("image", "mask"), "SegmentationModule")
         logits = self(batch["image"])
         loss = self._loss(logits, batch["mask"])
         size = batch["image"].shape[0]

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from remat.models.checks import require_keys
 from remat.models.gpt import GPT
 from remat.strategies import CheckpointStrategy, NoCheckpoint, StrategyReport
 
@@ -56,6 +57,7 @@ class SequenceModule(L.LightningModule):
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token cross-entropy (nats) of a ``{"tokens": [B, T+1]}`` batch."""
+        require_keys(batch, ("tokens",), "SequenceModule (model=gpt_*)")
         tokens = batch["tokens"]
         logits = self(tokens[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())

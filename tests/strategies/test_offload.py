@@ -15,7 +15,6 @@ import gc
 import weakref
 
 import pytest
-import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 from torch.autograd.graph import save_on_cpu
@@ -36,13 +35,6 @@ MODES = {
 }
 # The GPT runs every mode; the U-Net one mode of each kind.
 CASES = [("unet", "alone"), ("unet", "full")] + [("gpt", m) for m in MODES]
-
-
-@pytest.fixture(scope="module")
-def unet():
-    torch.manual_seed(0)
-    return smp.Unet("resnet18", encoder_weights=None, classes=1,
-                    decoder_channels=(32, 16, 16, 8, 8))
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,6 @@ STAGES = ["encoder.layer*"]
 SEGMENT_STRATEGIES = ["full", "sqrtn", "every_k"]
 
 
-@pytest.fixture(scope="module")
-def unet():
-    torch.manual_seed(0)
-    return smp.Unet("resnet18", encoder_weights=None, classes=1,
-                    decoder_channels=(32, 16, 16, 8, 8))
-
-
 def _train_steps(model, x, steps=3):
     """A few SGD steps; returns last output, grads, state_dict (BN stats included)."""
     model.train()

@@ -8,7 +8,6 @@ import contextlib
 import copy
 
 import pytest
-import segmentation_models_pytorch as smp
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,13 +58,6 @@ class TinyGPT(nn.Module):
 
     def forward(self, x):
         return self.blocks(self.stem(x))
-
-
-@pytest.fixture(scope="module")
-def unet():
-    torch.manual_seed(0)
-    return smp.Unet("resnet18", encoder_weights=None, classes=1,
-                    decoder_channels=(32, 16, 16, 8, 8))
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import lightning as L
 import segmentation_models_pytorch as smp
 import torch
 from torch import nn
@@ -14,10 +12,9 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryJaccardIndex, MulticlassJaccardIndex
 from torchmetrics.segmentation import DiceScore, MeanIoU
 
+from remat.models.base import StrategyModule
 from remat.models.checks import require_keys, warn_if_schedule_ends_early
-from remat.strategies import CheckpointStrategy, NoCheckpoint, StrategyReport
-
-log = logging.getLogger(__name__)
+from remat.strategies import CheckpointStrategy
 
 
 def build_smp_model(arch: str, encoder_name: str, encoder_weights: str | None,
@@ -35,7 +32,7 @@ def build_smp_model(arch: str, encoder_name: str, encoder_weights: str | None,
         raise ValueError(f"model.arch / model.encoder_name: {err.args[0]}") from err
 
 
-class SegmentationModule(L.LightningModule):
+class SegmentationModule(StrategyModule):
     """Binary or multiclass segmentation of ``{"image": [B,3,H,W], "mask": [B,H,W]}`` batches.
 
     The network is ``smp.create_model(arch, encoder_name, ...)`` (segmentation-models-pytorch);
@@ -74,13 +71,8 @@ class SegmentationModule(L.LightningModule):
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (1 = binary), got {num_classes}")
         self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler"])
-        self.net = build_smp_model(arch, encoder_name, encoder_weights, in_channels, num_classes,
-                                   **dict(arch_kwargs or {}))
-        self.strategy = strategy if strategy is not None else NoCheckpoint()
-        self.strategy_report: StrategyReport = self.strategy.apply(self.net, list(stages))
-        log.info("strategy %s wrapped %d modules in %s: %s", self.strategy_report.strategy,
-                 len(self.strategy_report.wrapped), ", ".join(self.strategy_report.stages),
-                 self.strategy_report.segments)
+        self.wrap_net(build_smp_model(arch, encoder_name, encoder_weights, in_channels,
+                                      num_classes, **dict(arch_kwargs or {})), stages, strategy)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.scheduler_factory = scheduler
         self.binary = num_classes == 1
@@ -142,11 +134,6 @@ class SegmentationModule(L.LightningModule):
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True,
                  batch_size=batch["image"].shape[0])
         return loss
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not getattr(self, "_strategy_verified", False):
-            self.strategy.verify(self.net)  # the wrapped stages are on the path used
-            self._strategy_verified = True
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         require_keys(batch, ("image", "mask"), "SegmentationModule")

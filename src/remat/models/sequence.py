@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 
+from remat.models.base import StrategyModule
 from remat.models.checks import require_keys
 from remat.models.gpt import GPT
-from remat.strategies import CheckpointStrategy, NoCheckpoint, StrategyReport
-
-log = logging.getLogger(__name__)
+from remat.strategies import CheckpointStrategy
 
 
-class SequenceModule(L.LightningModule):
+class SequenceModule(StrategyModule):
     """Causal language model on ``{"tokens": int64 [B, T+1]}`` batches (inputs and shifted
     targets in one window).
 
@@ -43,11 +40,8 @@ class SequenceModule(L.LightningModule):
                  scheduler: Callable[..., Any] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler"])
-        self.net = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
-        self.strategy = strategy if strategy is not None else NoCheckpoint()
-        self.strategy_report: StrategyReport = self.strategy.apply(self.net, list(stages))
-        log.info("strategy %s wrapped %d modules: %s", self.strategy_report.strategy,
-                 len(self.strategy_report.wrapped), self.strategy_report.segments)
+        self.wrap_net(GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout), stages,
+                      strategy)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
         self.scheduler_factory = scheduler
 
@@ -73,11 +67,6 @@ class SequenceModule(L.LightningModule):
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True,
                  batch_size=batch["tokens"].shape[0])
         return loss
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not getattr(self, "_strategy_verified", False):
-            self.strategy.verify(self.net)  # the wrapped stages are on the path used
-            self._strategy_verified = True
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = self.training_loss(batch)

@@ -1,0 +1,43 @@
+"""What every remat LightningModule shares: its network wrapped by a checkpointing strategy."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+from torch import nn
+
+from remat.strategies import CheckpointStrategy, NoCheckpoint, StrategyReport
+
+log = logging.getLogger(__name__)
+
+
+class StrategyModule(L.LightningModule):
+    """Base LightningModule: ``self.net`` with ``strategy`` applied to ``stages``.
+
+    Subclasses build ``net`` and call :meth:`wrap_net`. After the first training batch the
+    strategy verifies that what it wrapped was on the code path actually used.
+    """
+
+    net: nn.Module
+
+    def wrap_net(self, net: nn.Module, stages: Sequence[str],
+                 strategy: CheckpointStrategy | None) -> None:
+        """Keep ``net`` and apply ``strategy`` (default ``none``) to its ``stages``.
+
+        Raises:
+            remat.strategies.StageError: a stage matches no module (close names listed).
+        """
+        self.net = net
+        self.strategy = strategy if strategy is not None else NoCheckpoint()
+        self.strategy_report: StrategyReport = self.strategy.apply(self.net, list(stages))
+        log.info("strategy %s wrapped %d modules in %s: %s", self.strategy_report.strategy,
+                 len(self.strategy_report.wrapped), ", ".join(self.strategy_report.stages),
+                 self.strategy_report.segments)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not getattr(self, "_strategy_verified", False):
+            self.strategy.verify(self.net)  # the wrapped stages are on the path used
+            self._strategy_verified = True

@@ -112,13 +112,9 @@ def checkpoint_blocks(blocks: list[nn.Module], x, *args,
                       context_fn=_context_fn(blocks, context_fn), **kwargs)
 
 
-def _active() -> bool:
-    return torch.is_grad_enabled()
-
-
 def _sequential_forward(self: nn.Sequential, x):
     """Replacement ``forward`` of a segmented ``nn.Sequential``."""
-    if not (self.training and _active()):
+    if not (self.training and torch.is_grad_enabled()):
         return type(self).forward(self, x)
     blocks = list(self)
     strategy = getattr(self, _STRATEGY)
@@ -130,7 +126,7 @@ def _sequential_forward(self: nn.Sequential, x):
 
 def _segment_head_forward(self: nn.Module, x, *args, **kwargs):
     """Replacement ``forward`` of the first block of a ModuleList segment."""
-    if not (self.training and _active()):
+    if not (self.training and torch.is_grad_enabled()):
         return type(self).forward(self, x, *args, **kwargs)
     blocks = getattr(self, _SEGMENTS)
     object.__setattr__(self, _CALLS, getattr(self, _CALLS, 0) + 1)
@@ -148,7 +144,7 @@ def _segment_head_forward(self: nn.Module, x, *args, **kwargs):
 
 def _segment_tail_forward(self: nn.Module, x, *args, **kwargs):
     """Replacement ``forward`` of a later block of a ModuleList segment: already computed."""
-    if not (self.training and _active()):
+    if not (self.training and torch.is_grad_enabled()):
         return type(self).forward(self, x, *args, **kwargs)
     return x
 
@@ -199,20 +195,15 @@ class SegmentStrategy(CheckpointStrategy):
     def segments_for(self, n: int) -> list[tuple[int, int]]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def checkpoint_contexts(self) -> tuple | None:
-        """Extra (forward, recompute) contexts for each checkpoint call; ``None`` for none.
-
-        Override in strategies that steer what is saved inside a segment (selective).
-        """
-        return None
+    #: Callable giving extra (forward, recompute) contexts for each checkpoint call, or
+    #: ``None``; strategies that steer what is saved inside a segment (selective) define it.
+    checkpoint_contexts: Callable[[], tuple] | None = None
 
     def run_segment(self, blocks: list[nn.Module], x, *args, **kwargs):
         """Run one segment in training; override to change how a segment is kept
         (e.g. offload its boundary)."""
-        extra = self.checkpoint_contexts
-        has_extra = type(self).checkpoint_contexts is not SegmentStrategy.checkpoint_contexts
-        return checkpoint_blocks(blocks, x, *args,
-                                 context_fn=extra if has_extra else None, **kwargs)
+        return checkpoint_blocks(blocks, x, *args, context_fn=self.checkpoint_contexts,
+                                 **kwargs)
 
     def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
         """Checkpoint each resolved chain segment by segment (see module docstring).

@@ -36,7 +36,7 @@ from torch.autograd.graph import save_on_cpu
 from remat.strategies.base import StrategyReport
 from remat.strategies.every_k import EveryK
 from remat.strategies.full import FullCheckpoint
-from remat.strategies.segmented import _STRATEGY, SegmentStrategy, _patch, unpatch
+from remat.strategies.segmented import _STRATEGY, SegmentStrategy, _patch, unpatch_all
 from remat.strategies.sqrtn import SqrtN
 from remat.strategies.stages import resolve_stages
 
@@ -110,9 +110,8 @@ class OffloadCheckpoint(SegmentStrategy):
         if self._segmenter is not None:
             return super().apply(model, stages)
         resolved = resolve_stages(model, stages)
+        unpatch_all(model)  # one strategy per model: replaces whatever was applied before
         for _, stage in resolved:
-            for m in stage.modules():
-                unpatch(m)
             targets = list(stage) if isinstance(stage, nn.ModuleList) else [stage]
             for module in targets:
                 _patch(module, _offloaded_forward, None, self)

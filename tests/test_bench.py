@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.bench import format_table, run_benchmark
+from remat.bench import TorchCheckpointSequential, format_table, run_benchmark
 from remat.models import SegmentationModule, SequenceModule
-from remat.strategies import build_strategy
+from remat.strategies import StageError, build_strategy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,9 +64,11 @@ def test_bench_entry_point_writes_csv_and_json(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((out / "bench.json").read_text())
-    assert [r["strategy"] for r in record["rows"]] == ["none", "full", "every_k(k=2)"]
+    assert [r["strategy"] for r in record["rows"]] == ["none", "full", "every_k(k=2)",
+                                                       "torch_checkpoint_sequential"]
     assert all(r["grads_match"] for r in record["rows"])
     assert (out / "bench.csv").read_text().startswith("strategy,peak_bytes")
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "x none" in proc.stdout and "every_k(k=2)" in proc.stdout
 
 
@@ -86,3 +88,17 @@ def test_memory_goals_on_the_16_block_transformer_stack():
     assert by["full"].peak_ratio <= 0.35
     assert by["sqrtn"].peak_ratio <= 0.50
     assert by["selective"].peak_ratio < 1.0  # policy matmul
+
+
+def test_torch_checkpoint_sequential_reference_matches_and_saves_memory():
+    base = _gpt()
+    batch = base.example_batch(2, 128, torch.Generator().manual_seed(0))
+    rows = run_benchmark(base, ["blocks"], {"none": build_strategy("none"),
+                                            "torch": TorchCheckpointSequential()},
+                         batch, warmup=0, steps=1)
+    assert rows[1].grads_match and rows[1].peak_ratio < 1.0
+
+
+def test_torch_reference_needs_sequential_stages():
+    with pytest.raises(StageError, match="needs nn.Sequential stages"):
+        TorchCheckpointSequential().apply(_gpt(2).net, ["blocks.0"])

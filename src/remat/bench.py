@@ -17,8 +17,10 @@ import copy
 import csv
 import json
 import logging
+import math
 import platform
-from collections.abc import Sequence
+import types
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,10 +31,19 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
+from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.config import config_dir
 from remat.measure import PeakMemory, StepTimer, device_name, format_bytes
-from remat.strategies import CheckpointStrategy, build_strategy
+from remat.strategies import (
+    CheckpointStrategy,
+    StageError,
+    StrategyReport,
+    build_strategy,
+    resolve_stages,
+    sqrt_segments,
+)
+from remat.strategies.segmented import unpatch_all
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +147,67 @@ def run_benchmark(base: L.LightningModule, stages: Sequence[str],
     return rows
 
 
+class TorchCheckpointSequential(CheckpointStrategy):
+    """Reference point from outside remat: ``torch.utils.checkpoint.checkpoint_sequential``
+    with ceil(sqrt(N)) segments on each ``nn.Sequential`` stage (non-reentrant).
+
+    Plain torch, so its recompute updates BatchNorm running statistics a second time; the
+    benchmark compares gradients only.
+    """
+
+    name = "torch_checkpoint_sequential"
+
+    def apply(self, model: torch.nn.Module, stages: Iterable[str]) -> StrategyReport:
+        resolved = resolve_stages(model, stages)
+        unpatch_all(model)
+        report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
+        for path, chain in resolved:
+            if not isinstance(chain, torch.nn.Sequential):
+                raise StageError(f"{self.name} needs nn.Sequential stages; '{path}' is a "
+                                 f"{type(chain).__name__}")
+            segments = math.isqrt(len(chain) - 1) + 1 if len(chain) else 1
+            chain.forward = types.MethodType(_checkpoint_sequential_forward, chain)
+            object.__setattr__(chain, "_remat_patched", True)
+            object.__setattr__(chain, "_remat_torch_segments", segments)
+            report.segments[path] = sqrt_segments(len(chain))
+            report.wrapped.extend(f"{path}.{i}" for i in range(len(chain)))
+        return report
+
+    def remove(self, model: torch.nn.Module) -> None:
+        unpatch_all(model)
+
+
+def _checkpoint_sequential_forward(self: torch.nn.Sequential, x):
+    if not (self.training and torch.is_grad_enabled()):
+        return type(self).forward(self, x)
+    return checkpoint_sequential(list(self), self._remat_torch_segments, x,
+                                 use_reentrant=False)
+
+
+def plot(rows: Sequence[BenchRow], path: Path, title: str) -> None:
+    """Scatter of peak memory (MiB) against median step time (ms), one point per strategy,
+    ``none`` marked; written as PNG with matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ref = r.strategy == "none"
+        ax.scatter(r.median_ms, r.peak_bytes / 2**20, marker="*" if ref else "o",
+                   s=160 if ref else 50, color="black" if ref else None, zorder=3)
+        ax.annotate(r.strategy, (r.median_ms, r.peak_bytes / 2**20), fontsize=8,
+                    xytext=(5, 4), textcoords="offset points")
+    ax.set_xlabel("median step time (ms)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def format_table(rows: Sequence[BenchRow]) -> str:
     """Plain-text table: strategy, peak MiB, x none, median step ms, x none, grads match."""
     w = max([len("strategy"), *(len(r.strategy) for r in rows)]) + 2
@@ -161,13 +233,15 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                          f"{cfg.input_size}")
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))
-    strategies = {}
+    strategies: dict[str, CheckpointStrategy] = {}
     for spec in cfg.strategies:
         name, overrides = (spec, {}) if isinstance(spec, str) else (
             spec["name"], {k: v for k, v in spec.items() if k != "name"})
         args = ", ".join(f"{k}={v}" for k, v in overrides.items())
         label = f"{name}({args})" if overrides else name
         strategies[label] = build_strategy(name, **overrides)
+    if cfg.get("reference_points", True):
+        strategies[TorchCheckpointSequential.name] = TorchCheckpointSequential()
     L.seed_everything(cfg.seed, workers=False)
     model_cfg = cfg.model.copy()
     with open_dict(model_cfg):  # one step, no optimizer: the scheduler (and its ${trainer...}) goes
@@ -188,6 +262,9 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(record, indent=2))
+    title = (f"{cfg.model._target_.rsplit('.', 1)[-1]}, batch {cfg.batch_size}, input "
+             f"{cfg.input_size}, {cfg.precision}, {record['device']}")
+    plot(rows, out / "bench.png", title)
     with (out / "bench.csv").open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["strategy", "peak_bytes", "peak_ratio", "median_ms", "time_ratio",
@@ -198,7 +275,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     print(f"{cfg.model._target_.rsplit('.', 1)[-1]} batch {cfg.batch_size}, input "
           f"{cfg.input_size}, {cfg.precision}, {record['device']}, torch {torch.__version__}")
     print(format_table(rows))
-    print(f"wrote {out / 'bench.csv'} and {out / 'bench.json'}")
+    print(f"wrote {out / 'bench.csv'}, {out / 'bench.json'} and {out / 'bench.png'}")
     return record
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from remat.strategies import build_strategy
 from remat.strategies.compiled import CompileBudget, is_compiled_stage
 from remat.strategies.stages import StageError
+from tests.strategies.common import assert_same_function, train_step
 
 WIDTH = 64
 
@@ -46,22 +47,8 @@ def _stack(**kwargs):
     return Stack(**kwargs)
 
 
-def _step(model, x, seed=123):
-    """One training forward + backward; returns output, grads and state (BN stats)."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out = model(x)
-    out.square().mean().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return out.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _assert_same_function(got, ref, rtol=1e-5, atol=1e-6):
-    torch.testing.assert_close(got[0], ref[0], rtol=rtol, atol=atol)
-    assert got[1].keys() == ref[1].keys()
-    for key, grad in got[1].items():
-        torch.testing.assert_close(grad, ref[1][key], rtol=rtol, atol=atol, msg=key)
 
 
 @pytest.mark.parametrize("budget", [-0.1, 1.5, math.nan, "0.5", None, True])
@@ -90,7 +77,7 @@ def test_registry_style_construction_and_repr():
 def test_outputs_gradients_and_state_dict_match_eager(budget):
     base = _stack()
     x = torch.randn(16, WIDTH)
-    ref = _step(copy.deepcopy(base), x)
+    ref = train_step(copy.deepcopy(base), x)
     model = copy.deepcopy(base)
     keys = list(model.state_dict())
     report = CompileBudget(budget, backend="aot_eager").apply(model, ["blocks"])
@@ -98,7 +85,7 @@ def test_outputs_gradients_and_state_dict_match_eager(budget):
     assert report.stages == report.wrapped == ["blocks"]
     assert list(model.state_dict()) == keys
     for _ in range(2):  # second step runs the cached graph
-        _assert_same_function(_step(model, x), ref)
+        assert_same_function(train_step(model, x), ref)
 
 
 def _saved_activation_bytes(model, x):
@@ -144,9 +131,9 @@ def test_batchnorm_running_stats_update_once_per_step():
     model = copy.deepcopy(base)
     CompileBudget(0.0, backend="aot_eager").apply(model, ["blocks"])
     for _ in range(3):
-        ref = _step(ref_model, x)
-        got = _step(model, x)
-    _assert_same_function(got, ref)
+        ref = train_step(ref_model, x)
+        got = train_step(model, x)
+    assert_same_function(got, ref)
     assert int(got[2]["blocks.0.norm.num_batches_tracked"]) == 3
     for key, value in ref[2].items():
         torch.testing.assert_close(got[2][key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -167,10 +154,10 @@ def test_control_plain_budget_compile_corrupts_dropout_gradients():
     recomputes dropout in backward with a new mask. If this fails, torch fixed the bug."""
     base = _stack(p=0.5)
     x = torch.randn(16, WIDTH)
-    ref = _step(copy.deepcopy(base), x)
+    ref = train_step(copy.deepcopy(base), x)
     model = copy.deepcopy(base)
     model.blocks.compile(backend=_plain_budget_backend(0.0))
-    got = _step(model, x)
+    got = train_step(model, x)
     assert got[2].keys() == ref[2].keys()  # nn.Module.compile() keeps state_dict keys too
     assert torch.equal(got[0], ref[0])  # same forward masks ...
     assert not torch.allclose(got[1]["blocks.0.fc1.weight"], ref[1]["blocks.0.fc1.weight"])
@@ -181,14 +168,14 @@ def test_dropout_masks_kept_so_gradients_match_eager_at_every_budget():
     not redrawn in backward, while the rest still follows the budget."""
     base = _stack(p=0.5)
     x = torch.randn(16, WIDTH)
-    ref = _step(copy.deepcopy(base), x)
+    ref = train_step(copy.deepcopy(base), x)
     saved = {}
     for budget in (1.0, 0.5, 0.0):
         model = copy.deepcopy(base)
         CompileBudget(budget, backend="aot_eager").apply(model, ["blocks"])
-        got = _step(model, x)
+        got = train_step(model, x)
         assert torch.equal(got[0], ref[0])
-        _assert_same_function(got, ref)
+        assert_same_function(got, ref)
         random_ops = vars(model.blocks)["_remat_strategy"].backend.random_ops
         assert random_ops == ([] if budget == 1.0 else ["aten.native_dropout.default"] * 4)
         saved[budget] = _saved_activation_bytes(model, x)
@@ -226,7 +213,7 @@ def test_apply_twice_equals_once_remove_restores_and_other_strategies_replace():
     assert first == second
     patched = [name for name, m in model.named_modules() if "forward" in vars(m)]
     assert patched == ["blocks"] and is_compiled_stage(model.blocks)  # sqrtn's patch is gone
-    _assert_same_function(_step(model, x), _step(copy.deepcopy(base), x))
+    assert_same_function(train_step(model, x), train_step(copy.deepcopy(base), x))
     strategy.remove(model)
     assert not any("forward" in vars(m) or hasattr(m, "_remat_strategy")
                    for m in model.modules())
@@ -241,7 +228,7 @@ def test_deepcopy_compiles_the_copy_for_its_own_parameters():
     model = _stack()
     x = torch.randn(8, WIDTH)
     CompileBudget(0.0, backend="aot_eager").apply(model, ["blocks"])
-    _step(model, x)
+    train_step(model, x)
     clone = copy.deepcopy(model)
     assert clone.blocks.forward.__self__ is clone.blocks
     with torch.no_grad():
@@ -295,7 +282,7 @@ def test_verify_reports_a_stage_that_ran_eager_under_a_dispatch_mode():
     strategy = CompileBudget(backend="aot_eager")
     strategy.apply(model, ["blocks"])
     with MemTracker():  # dynamo skips frames while a TorchDispatchMode is active
-        _step(model, torch.randn(4, WIDTH))
+        train_step(model, torch.randn(4, WIDTH))
     with pytest.raises(StageError, match=r"no graph for blocks.*TorchDispatchMode"):
         strategy.verify(model)
 
@@ -307,11 +294,11 @@ def test_inductor_outputs_gradients_and_saved_bytes():
     base = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     holder = nn.Sequential(base)
     x = torch.randn(8, 16)
-    ref = _step(copy.deepcopy(holder), x)
+    ref = train_step(copy.deepcopy(holder), x)
     model = copy.deepcopy(holder)
     CompileBudget(0.0, backend="inductor").apply(model, ["0"])
-    got = _step(model, x)
-    _assert_same_function(got, ref, rtol=1e-4, atol=1e-5)  # not bitwise: fused kernels
+    got = train_step(model, x)
+    assert_same_function(got, ref, rtol=1e-4, atol=1e-5)  # not bitwise: fused kernels
     assert _saved_activation_bytes(model, x) == x.numel() * x.element_size()
     CompileBudget(backend="inductor").verify(model)
 
@@ -323,16 +310,16 @@ def test_inductor_dropout_masks_differ_from_eager_unless_fallback_random():
     torch.manual_seed(0)
     base = nn.Sequential(nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 16)))
     x = torch.randn(8, 16)
-    ref = _step(copy.deepcopy(base), x)
+    ref = train_step(copy.deepcopy(base), x)
     runs = {}
     for budget in (1.0, 0.0):
         model = copy.deepcopy(base)
         CompileBudget(budget, backend="inductor").apply(model, ["0"])
-        runs[budget] = _step(model, x)
+        runs[budget] = train_step(model, x)
     assert not torch.allclose(runs[1.0][0], ref[0], rtol=1e-4, atol=1e-5)
-    _assert_same_function(runs[0.0], runs[1.0], rtol=1e-4, atol=1e-5)
+    assert_same_function(runs[0.0], runs[1.0], rtol=1e-4, atol=1e-5)
     model = copy.deepcopy(base)
     CompileBudget(0.0, backend="inductor").apply(model, ["0"])
     with torch._inductor.config.patch(fallback_random=True):  # for forward and backward
-        got = _step(model, x)
-    _assert_same_function(got, ref, rtol=1e-4, atol=1e-5)
+        got = train_step(model, x)
+    assert_same_function(got, ref, rtol=1e-4, atol=1e-5)

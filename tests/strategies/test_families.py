@@ -16,6 +16,7 @@ import torch
 
 from remat.models.gpt import GPT
 from remat.strategies import build_strategy
+from tests.strategies.common import count_calls
 
 STRATEGIES = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}),
               ("selective", {"policy": "matmul"}), ("selective", {"policy": "attention"}),
@@ -130,12 +131,7 @@ def test_recompute_happens_on_the_code_path_used_and_not_in_eval(family, strateg
     model, stages, x = _family(family)
     report = build_strategy(strategy, **overrides).apply(model, stages)
     blocks = [model.get_submodule(p) for p in report.wrapped]
-    calls = {id(b): 0 for b in blocks}
-
-    def pre_hook(module, args):
-        calls[id(module)] = calls.get(id(module), 0) + 1
-
-    handles = [b.register_forward_pre_hook(pre_hook) for b in blocks]
+    calls, handles = count_calls(blocks)
     model.train()
     model(x).float().sum().backward()
     assert [calls[id(b)] for b in blocks] == [2] * len(blocks)  # forward + recompute

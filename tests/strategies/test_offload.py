@@ -34,7 +34,6 @@ MODES = {
     "every_k": {"segments": "every_k", "k": 2},
 }
 # The GPT runs every mode; the U-Net one mode of each kind.
-CASES = [("unet", "alone"), ("unet", "full")] + [("gpt", m) for m in MODES]
 
 
 @pytest.fixture(scope="module")
@@ -79,17 +78,8 @@ def _wrapped(base, model_name, strategy):
     return model
 
 
-def _count_calls(modules):
-    counts = collections.Counter()
-
-    def hook(module, args):  # pre-hook: recompute may stop early, before forward hooks
-        counts[id(module)] += 1
-
-    return counts, [m.register_forward_pre_hook(hook) for m in modules]
 
 
-def _blocks(model, model_name):
-    return list(model.encoder.layer2) if model_name == "unet" else list(model.blocks)
 
 
 @pytest.mark.parametrize("model_name,mode", [("unet", "alone"), ("unet", "full"),

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat.strategies import build_strategy
+from tests.strategies.common import count_calls
 
 STAGES = ["encoder.layer*"]
 SEGMENT_STRATEGIES = ["full", "sqrtn", "every_k"]
@@ -54,14 +55,6 @@ def test_plain_torch_checkpoint_would_double_count_batchnorm(unet):
     assert int(layer[0].bn1.num_batches_tracked) == 2
 
 
-def _count_calls(modules):
-    counts = {id(m): 0 for m in modules}
-
-    def hook(module, args):  # pre-hook: recompute may stop early, before forward hooks
-        counts[id(module)] = counts.get(id(module), 0) + 1
-
-    handles = [m.register_forward_pre_hook(hook) for m in modules]
-    return counts, handles
 
 
 @pytest.mark.parametrize("name", SEGMENT_STRATEGIES)
@@ -69,7 +62,7 @@ def test_recompute_happens_in_training_and_not_in_eval_or_no_grad(unet, name):
     model = copy.deepcopy(unet)
     build_strategy(name).apply(model, STAGES)
     blocks = list(model.encoder.layer2)
-    counts, handles = _count_calls(blocks)
+    counts, handles = count_calls(blocks)
     x = torch.randn(2, 3, 64, 64)
     model.train()
     model(x).sum().backward()
@@ -101,7 +94,7 @@ def test_apply_twice_equals_once_and_remove_restores(unet):
     second = strategy.apply(model, STAGES)
     assert first == second
     assert list(model.state_dict()) == keys
-    counts, handles = _count_calls(list(model.encoder.layer1))
+    counts, handles = count_calls(list(model.encoder.layer1))
     model.train()
     model(torch.randn(1, 3, 64, 64)).sum().backward()
     assert [counts[id(b)] for b in model.encoder.layer1] == [2, 2]  # recomputed once, not twice

@@ -78,7 +78,6 @@ def _wrapped(base, model_name, strategy):
     return model
 
 
-CASES = [(m, p) for m in ("unet", "gpt") for p in POLICIES]
 
 
 class _OpLog(TorchDispatchMode):

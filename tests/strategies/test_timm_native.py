@@ -15,6 +15,7 @@ from torch import nn
 from remat.strategies import build_strategy
 from remat.strategies.stages import StageError
 from remat.strategies.timm_native import TimmNative, feature_wrapper_checkpointed
+from tests.strategies.common import assert_same_function, count_calls, train_step
 
 # tu-convnext_atto's encoder (a timm FeatureListNet): children stem_0, stem_1, stages_0..3;
 # each stage holds an nn.Sequential chain of ConvNeXt blocks (2, 2, 6, 2 blocks).
@@ -36,49 +37,27 @@ def convnext_unet():
                     decoder_channels=(32, 16, 16, 8, 8))
 
 
-def _count_calls(modules):
-    counts = {id(m): 0 for m in modules}
-
-    def hook(module, args):
-        counts[id(module)] += 1
-
-    handles = [m.register_forward_pre_hook(hook) for m in modules]
-    return counts, handles
 
 
-def _step(model, x, seed=123):
-    """One training forward + backward: output, grads, state_dict (BatchNorm stats)."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out = model(x)
-    out.square().mean().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _assert_same_function(got, ref):
-    assert torch.equal(got[0], ref[0])
-    assert got[1].keys() == ref[1].keys()
-    for key, grad in got[1].items():
-        torch.testing.assert_close(grad, ref[1][key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_vit_blocks_recomputed_outputs_and_gradients_match(vit):
     model = copy.deepcopy(vit)
     x = torch.randn(2, 3, 32, 32)
-    ref = _step(copy.deepcopy(vit), x)
+    ref = train_step(copy.deepcopy(vit), x)
     keys = list(model.state_dict())
     report = TimmNative().apply(model, ["blocks"])
     assert report.strategy == "timm_native"
     assert report.stages == ["blocks"] and report.wrapped == [""]  # the model itself
     assert model.grad_checkpointing and list(model.state_dict()) == keys
     blocks = list(model.blocks)
-    counts, handles = _count_calls(blocks)
-    got = _step(model, x)
+    counts, handles = count_calls(blocks)
+    got = train_step(model, x)
     assert [counts[id(b)] for b in blocks] == [2] * len(blocks)  # forward + recompute
     TimmNative().verify(model)
-    _assert_same_function(got, ref)
+    assert_same_function(got, ref, exact_output=True)
     for key in counts:
         counts[key] = 0
     with torch.no_grad():
@@ -97,15 +76,15 @@ def test_apply_twice_equals_once_and_remove_switches_off(vit):
     build_strategy("full").apply(model, ["blocks"])
     assert strategy.apply(model, ["blocks"]) == strategy.apply(model, ["blocks"])
     assert "forward" not in vars(model.blocks)  # the segment patch was replaced
-    counts, handles = _count_calls(list(model.blocks))
-    _step(model, torch.randn(1, 3, 32, 32))
+    counts, handles = count_calls(list(model.blocks))
+    train_step(model, torch.randn(1, 3, 32, 32))
     assert set(counts.values()) == {2}  # recomputed once, not twice
     strategy.remove(model)
     assert model.grad_checkpointing is False
     assert not any(vars(m).get("_remat_timm_native") for m in model.modules())
     for key in counts:
         counts[key] = 0
-    _step(model, torch.randn(1, 3, 32, 32))
+    train_step(model, torch.randn(1, 3, 32, 32))
     assert set(counts.values()) == {1}
     for h in handles:
         h.remove()
@@ -126,7 +105,7 @@ def test_flag_ignored_on_the_path_used_fails_verify(vit):
     model = Bypass()
     strategy = TimmNative()
     assert strategy.apply(model, ["vit.blocks"]).wrapped == ["vit"]
-    _step(model, torch.randn(1, 3, 32, 32))
+    train_step(model, torch.randn(1, 3, 32, 32))
     with pytest.raises(ValueError, match=r"'vit' \(VisionTransformer\).*recomputed nothing"):
         strategy.verify(model)
 
@@ -149,7 +128,7 @@ def test_features_getter_wrapper_switches_on_its_model():
     report = TimmNative().apply(model, ["enc"])
     assert report.wrapped == ["enc.model"]
     blocks = list(model.enc.model.blocks)
-    counts, handles = _count_calls(blocks)
+    counts, handles = count_calls(blocks)
     model.train()
     model(torch.randn(1, 3, 32, 32)).backward()
     assert [counts[id(b)] for b in blocks] == [2] * len(blocks)
@@ -163,7 +142,7 @@ def test_tu_convnext_encoder_checkpoints_all_but_first_and_last_children(convnex
     ones: stem_1 and stages_0..2 are recomputed, stages_3 is not (and gets a warning)."""
     model = copy.deepcopy(convnext_unet)
     x = torch.randn(2, 3, 64, 64)
-    ref = _step(copy.deepcopy(convnext_unet), x)
+    ref = train_step(copy.deepcopy(convnext_unet), x)
     with pytest.warns(UserWarning, match=r"'encoder\.model\.stages_3\.blocks' lies in "
                                          r"'encoder\.model\.stages_3'.*never checkpoints"):
         report = TimmNative().apply(model, CONVNEXT_CHAINS)
@@ -172,13 +151,13 @@ def test_tu_convnext_encoder_checkpoints_all_but_first_and_last_children(convnex
     assert report.wrapped == ["encoder.model"]
     assert report.segments == {"encoder.model": [(1, 2), (2, 3), (3, 4), (4, 5)]}
     blocks = {f"stages_{i}": list(enc[f"stages_{i}"].blocks) for i in range(4)}
-    counts, handles = _count_calls([b for chain in blocks.values() for b in chain])
-    got = _step(model, x)
+    counts, handles = count_calls([b for chain in blocks.values() for b in chain])
+    got = train_step(model, x)
     seen = {name: [counts[id(b)] for b in chain] for name, chain in blocks.items()}
     assert seen == {"stages_0": [2, 2], "stages_1": [2, 2], "stages_2": [2] * 6,
                     "stages_3": [1, 1]}
     TimmNative().verify(model)
-    _assert_same_function(got, ref)
+    assert_same_function(got, ref, exact_output=True)
     for h in handles:
         h.remove()
 
@@ -188,7 +167,7 @@ def test_sqrtn_on_tu_convnext_block_chains_recomputes_every_block(convnext_unet)
     x = torch.randn(2, 3, 64, 64)
     reference = copy.deepcopy(convnext_unet)
     build_strategy("none").apply(reference, CONVNEXT_CHAINS)
-    ref = _step(reference, x)
+    ref = train_step(reference, x)
     strategy = build_strategy("sqrtn")
     report = strategy.apply(model, CONVNEXT_CHAINS)
     assert report.segments == {
@@ -198,11 +177,11 @@ def test_sqrtn_on_tu_convnext_block_chains_recomputes_every_block(convnext_unet)
         "encoder.model.stages_3.blocks": [(0, 1), (1, 2)],
     }
     blocks = [b for i in range(4) for b in model.encoder.model[f"stages_{i}"].blocks]
-    counts, handles = _count_calls(blocks)
-    got = _step(model, x)
+    counts, handles = count_calls(blocks)
+    got = train_step(model, x)
     assert [counts[id(b)] for b in blocks] == [2] * 12
     strategy.verify(model)
-    _assert_same_function(got, ref)
+    assert_same_function(got, ref, exact_output=True)
     for h in handles:
         h.remove()
 
@@ -214,15 +193,15 @@ def test_batchnorm_stats_double_updated_by_timm_but_not_by_sqrtn():
     unet = smp.Unet("tu-resnet18", encoder_weights=None, classes=1,
                     decoder_channels=(16, 16, 8, 8, 8))
     x = torch.randn(2, 3, 64, 64)
-    ref = _step(copy.deepcopy(unet), x)
+    ref = train_step(copy.deepcopy(unet), x)
     timm_model = copy.deepcopy(unet)
     report = TimmNative().apply(timm_model, ["encoder.model"])
     children = [name for name, _ in timm_model.encoder.model.named_children()]
     assert [children[i] for i in feature_wrapper_checkpointed(timm_model.encoder.model)] == [
         "bn1", "maxpool", "layer1", "layer2", "layer3"]  # act1 is in-place, layer4 last
     assert report.segments["encoder.model"] == [(1, 2), (3, 4), (4, 5), (5, 6), (6, 7)]
-    got = _step(timm_model, x)
-    _assert_same_function(got, ref)  # outputs and gradients still match
+    got = train_step(timm_model, x)
+    assert_same_function(got, ref, exact_output=True)  # outputs and gradients still match
     tracked = {k: int(v) for k, v in got[2].items() if k.endswith("num_batches_tracked")}
     assert tracked["encoder.model.bn1.num_batches_tracked"] == 2
     assert tracked["encoder.model.layer1.0.bn1.num_batches_tracked"] == 2
@@ -231,8 +210,8 @@ def test_batchnorm_stats_double_updated_by_timm_but_not_by_sqrtn():
                               ref[2]["encoder.model.layer1.0.bn1.running_mean"])
     segmented = copy.deepcopy(unet)
     build_strategy("sqrtn").apply(segmented, ["encoder.model.layer*"])
-    got = _step(segmented, x)
-    _assert_same_function(got, ref)
+    got = train_step(segmented, x)
+    assert_same_function(got, ref, exact_output=True)
     for key, value in ref[2].items():
         assert torch.equal(got[2][key], value), key
 

@@ -1,0 +1,44 @@
+"""Helpers shared by the strategy tests."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch import nn
+
+
+def count_calls(modules: list[nn.Module]):
+    """Count calls of each module (keyed by ``id``) with forward PRE-hooks: a recompute may
+    stop early, before forward hooks fire. Returns ``(counts, handles)``."""
+    counts = collections.Counter({id(m): 0 for m in modules})
+
+    def hook(module, args):
+        counts[id(module)] += 1
+
+    return counts, [m.register_forward_pre_hook(hook) for m in modules]
+
+
+def train_step(model: nn.Module, x: torch.Tensor, seed: int = 123):
+    """One training forward + backward under ``seed``: output, gradients (params that got
+    one) and ``state_dict`` (BatchNorm statistics included), all copied."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(x)
+    out.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_function(got, ref, rtol: float = 1e-5, atol: float = 1e-6,
+                         exact_output: bool = False) -> None:
+    """``got``/``ref`` from :func:`train_step`: outputs (exactly, or within tolerance) and
+    gradients within tolerance."""
+    if exact_output:
+        assert torch.equal(got[0], ref[0])
+    else:
+        torch.testing.assert_close(got[0], ref[0], rtol=rtol, atol=atol)
+    assert got[1].keys() == ref[1].keys()
+    for key, grad in got[1].items():
+        torch.testing.assert_close(grad, ref[1][key], rtol=rtol, atol=atol, msg=key)

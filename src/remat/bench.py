@@ -17,9 +17,7 @@ import copy
 import csv
 import json
 import logging
-import math
 import platform
-import types
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -43,7 +41,7 @@ from remat.strategies import (
     resolve_stages,
     sqrt_segments,
 )
-from remat.strategies.segmented import unpatch_all
+from remat.strategies.segmented import _patch, unpatch_all
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +163,7 @@ class TorchCheckpointSequential(CheckpointStrategy):
             if not isinstance(chain, torch.nn.Sequential):
                 raise StageError(f"{self.name} needs nn.Sequential stages; '{path}' is a "
                                  f"{type(chain).__name__}")
-            segments = math.isqrt(len(chain) - 1) + 1 if len(chain) else 1
-            chain.forward = types.MethodType(_checkpoint_sequential_forward, chain)
-            object.__setattr__(chain, "_remat_patched", True)
-            object.__setattr__(chain, "_remat_torch_segments", segments)
+            _patch(chain, _checkpoint_sequential_forward, None, self)
             report.segments[path] = sqrt_segments(len(chain))
             report.wrapped.extend(f"{path}.{i}" for i in range(len(chain)))
         return report
@@ -180,7 +175,7 @@ class TorchCheckpointSequential(CheckpointStrategy):
 def _checkpoint_sequential_forward(self: torch.nn.Sequential, x):
     if not (self.training and torch.is_grad_enabled()):
         return type(self).forward(self, x)
-    return checkpoint_sequential(list(self), self._remat_torch_segments, x,
+    return checkpoint_sequential(list(self), max(1, len(sqrt_segments(len(self)))), x,
                                  use_reentrant=False)
 
 

@@ -71,14 +71,11 @@ from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 from torch.utils.checkpoint import CheckpointPolicy
 
 from remat.strategies.base import CheckpointStrategy, StrategyReport
-from remat.strategies.segmented import unpatch, unpatch_all
-from remat.strategies.stages import StageError, resolve_stages
 
-# Attribute names shared with ``segmented`` so that ``unpatch`` (used by every strategy's
-# ``apply``/``remove``) also removes a compiled stage: the bound forward, the marker, and
-# the per-stage state under the strategy slot.
-_PATCHED = "_remat_patched"
-_STRATEGY = "_remat_strategy"
+# Patched like the segment strategies, so ``unpatch`` (every strategy's ``apply``/``remove``)
+# also removes a compiled stage; the per-stage state sits in the strategy slot.
+from remat.strategies.segmented import _PATCHED, _STRATEGY, _patch, unpatch, unpatch_all
+from remat.strategies.stages import StageError, resolve_stages
 
 
 def _check_budget(budget: Any) -> float:
@@ -317,9 +314,7 @@ class CompileBudget(CheckpointStrategy):
                 )
         unpatch_all(model)
         for path, module in resolved:
-            object.__setattr__(module, _STRATEGY, _CompiledStage(self, path))
-            module.forward = types.MethodType(_compiled_forward, module)
-            object.__setattr__(module, _PATCHED, True)
+            _patch(module, _compiled_forward, None, _CompiledStage(self, path))
         paths = [p for p, _ in resolved]
         return StrategyReport(strategy=self.name, stages=paths, wrapped=list(paths))
 

@@ -149,7 +149,9 @@ def _segment_tail_forward(self: nn.Module, x, *args, **kwargs):
     return x
 
 
-def _patch(module: nn.Module, fn: Callable, segments, strategy: SegmentStrategy) -> None:
+def _patch(module: nn.Module, fn: Callable, segments, strategy) -> None:
+    """Bind ``fn`` as ``module``'s forward; ``segments`` and ``strategy`` (the object that
+    runs it) are kept on the module for ``fn``."""
     object.__setattr__(module, _SEGMENTS, segments)
     object.__setattr__(module, _STRATEGY, strategy)
     module.forward = types.MethodType(fn, module)

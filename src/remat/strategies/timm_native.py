@@ -212,7 +212,6 @@ class TimmNative(CheckpointStrategy):
             )
         segments = self._segments(targets, members)
         unpatch_all(model)
-        self.remove(model)
         enabled: list[nn.Module] = []
         for path, target in targets.items():
             try:

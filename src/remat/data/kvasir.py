@@ -13,13 +13,13 @@ import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode
 
-from remat.data.io import make_loader, read_image
+from remat.data.base import SplitDataModule
+from remat.data.io import read_image
 from remat.data.transforms import eval_transform, to_sample, train_transform
 
 KVASIR_URL = "https://datasets.simula.no/kvasir-seg/"
@@ -164,7 +164,7 @@ class KvasirSegDataset(Dataset):
         return to_sample(image, mask)
 
 
-class KvasirSegDataModule(L.LightningDataModule):
+class KvasirSegDataModule(SplitDataModule):
     """Kvasir-SEG polyp segmentation (binary, ``num_classes == 1``).
 
     Args:
@@ -199,26 +199,21 @@ class KvasirSegDataModule(L.LightningDataModule):
         limit_val: int | None = None,
         pin_memory: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size, num_workers, pin_memory, loader_seed=split_seed)
         for name, value in (("limit_train", limit_train), ("limit_val", limit_val)):
             if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         self.root = root
         self.image_size = image_size
-        self.batch_size = batch_size
-        self.num_workers = num_workers
         self.val_size = val_size
         self.split_seed = split_seed
         self.augment = augment
         self.limit_train = limit_train
         self.limit_val = limit_val
-        self.pin_memory = pin_memory
         self.num_classes = 1
         self.dataset_root: Path | None = None
         self.train_ids: list[str] = []
         self.val_ids: list[str] = []
-        self.train_set: KvasirSegDataset | None = None
-        self.val_set: KvasirSegDataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Check the layout, split the ids and build both datasets (no decoding here)."""
@@ -235,23 +230,3 @@ class KvasirSegDataModule(L.LightningDataModule):
         self.val_set = KvasirSegDataset(
             self.dataset_root, self.val_ids, eval_transform(self.image_size)
         )
-
-    def _require(self, dataset: Dataset | None) -> Dataset:
-        if dataset is None:
-            raise RuntimeError("call setup() before asking for a dataloader")
-        return dataset
-
-    def train_dataloader(self) -> DataLoader:
-        return make_loader(
-            self._require(self.train_set), self.batch_size, self.num_workers,
-            train=True, seed=self.split_seed, pin_memory=self.pin_memory,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return make_loader(
-            self._require(self.val_set), self.batch_size, self.num_workers,
-            train=False, seed=self.split_seed, pin_memory=self.pin_memory,
-        )
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()

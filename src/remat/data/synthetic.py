@@ -13,11 +13,10 @@ from __future__ import annotations
 import hashlib
 import math
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from remat.data.io import make_loader
+from remat.data.base import SplitDataModule
 from remat.data.transforms import normalize
 
 _STRIPE_PERIOD_PX = (4.0, 12.0)
@@ -157,7 +156,7 @@ class SyntheticSegDataset(Dataset):
         return {"image": normalize(image), "mask": mask}
 
 
-class SyntheticSegDataModule(L.LightningDataModule):
+class SyntheticSegDataModule(SplitDataModule):
     """Lightning datamodule over :class:`SyntheticSegDataset` (train and val streams).
 
     Batches are ``{"image": float32 [B, 3, S, S], "mask": int64 [B, S, S]}``; binary task,
@@ -175,17 +174,12 @@ class SyntheticSegDataModule(L.LightningDataModule):
         seed: int = 0,
         pin_memory: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size, num_workers, pin_memory, loader_seed=seed)
         self.image_size = image_size
-        self.batch_size = batch_size
-        self.num_workers = num_workers
         self.num_train = num_train
         self.num_val = num_val
         self.seed = seed
-        self.pin_memory = pin_memory
         self.num_classes = 1
-        self.train_set: SyntheticSegDataset | None = None
-        self.val_set: SyntheticSegDataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Build the train and val datasets (cheap: samples are drawn on access)."""
@@ -196,23 +190,3 @@ class SyntheticSegDataModule(L.LightningDataModule):
             self.val_set = SyntheticSegDataset(
                 self.num_val, self.image_size, self.seed, split="val"
             )
-
-    def _require(self, dataset: Dataset | None) -> Dataset:
-        if dataset is None:
-            raise RuntimeError("call setup() before asking for a dataloader")
-        return dataset
-
-    def train_dataloader(self) -> DataLoader:
-        return make_loader(
-            self._require(self.train_set), self.batch_size, self.num_workers,
-            train=True, seed=self.seed, pin_memory=self.pin_memory,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return make_loader(
-            self._require(self.val_set), self.batch_size, self.num_workers,
-            train=False, seed=self.seed, pin_memory=self.pin_memory,
-        )
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()

@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning as L
 
+from remat.callbacks.memory import PeakMemoryMonitor
 from remat.measure import StepTimer
 
 
@@ -31,14 +32,13 @@ class StepTimeMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        from remat.callbacks.memory import PeakMemoryMonitor
-
         self._record = not any(isinstance(cb, PeakMemoryMonitor) and cb.is_tracking()
                                for cb in trainer.callbacks)
         self.timer.start()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
+        timed = len(self.timer.times_ms)
         elapsed = self.timer.stop(record=self._record)
-        if self._record and self.timer.times_ms and self.timer.times_ms[-1] == elapsed:
+        if len(self.timer.times_ms) > timed:  # kept: not warm-up, not memory-tracked
             pl_module.log("time/step_ms", elapsed, on_step=True, on_epoch=False, batch_size=1)

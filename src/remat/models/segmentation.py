@@ -55,6 +55,9 @@ class SegmentationModule(StrategyModule):
         optimizer: partial optimizer, called with the parameters.
         scheduler: optional partial LR scheduler, called with the optimizer; stepped per epoch.
         arch_kwargs: extra smp model arguments (e.g. ``decoder_channels``).
+        net: a ready network (``[B, in_channels, H, W]`` -> ``[B, num_classes, H, W]``) used
+            instead of an smp model, e.g. a ViT segmenter; ``arch``/``encoder_*`` are then
+            ignored.
 
     Raises:
         ValueError: ``num_classes < 1``; unknown arch/encoder.
@@ -66,13 +69,15 @@ class SegmentationModule(StrategyModule):
                  stages: Sequence[str] = (), strategy: CheckpointStrategy | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None,
-                 arch_kwargs: dict[str, Any] | None = None) -> None:
+                 arch_kwargs: dict[str, Any] | None = None, net: nn.Module | None = None) -> None:
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (1 = binary), got {num_classes}")
-        self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler"])
-        self.wrap_net(build_smp_model(arch, encoder_name, encoder_weights, in_channels,
-                                      num_classes, **dict(arch_kwargs or {})), stages, strategy)
+        self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler", "net"])
+        if net is None:
+            net = build_smp_model(arch, encoder_name, encoder_weights, in_channels, num_classes,
+                                  **dict(arch_kwargs or {}))
+        self.wrap_net(net, stages, strategy)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.scheduler_factory = scheduler
         self.binary = num_classes == 1

@@ -30,10 +30,30 @@ def remat_data_dir() -> Path:
     return path
 
 
+def _real_copy(remat_data_dir: Path, folder: str, *required: str) -> Path:
+    """``remat_data_dir/folder``, failing the test unless it holds every ``required`` folder."""
+    root = remat_data_dir / folder
+    missing = [d for d in required if not (root / d).is_dir()]
+    if missing:
+        pytest.fail(f"{folder} not found under {remat_data_dir} (expected "
+                    + ", ".join(f"{root / d}/" for d in required) + ")")
+    return root
+
+
 @pytest.fixture(scope="session")
 def kvasir_root(remat_data_dir: Path) -> Path:
     """The real Kvasir-SEG copy (``images/*.jpg``, ``masks/*.jpg``)."""
-    root = remat_data_dir / "Kvasir-SEG"
-    if not (root / "images").is_dir() or not (root / "masks").is_dir():
-        pytest.fail(f"Kvasir-SEG not found under {root} (expected images/ and masks/)")
-    return root
+    return _real_copy(remat_data_dir, "Kvasir-SEG", "images", "masks")
+
+
+@pytest.fixture(scope="session")
+def isbi_root(remat_data_dir: Path) -> Path:
+    """The real ISBI 2012 copy (``train/image/<n>.png``, ``train/label/<n>.png``)."""
+    return _real_copy(remat_data_dir, "ISBI2012-EM-membrane", "train/image", "train/label")
+
+
+@pytest.fixture(scope="session")
+def dubai_root(remat_data_dir: Path) -> Path:
+    """The real Dubai aerial copy (``Tile <t>/images/*.jpg``, ``Tile <t>/masks/*.png``)."""
+    return _real_copy(remat_data_dir, "Dubai-aerial-semantic-segmentation",
+                      *(f"Tile {t}/{kind}" for t in range(1, 9) for kind in ("images", "masks")))

@@ -161,6 +161,7 @@ def test_eval_transform_is_deterministic(fake_root: Path):
     assert torch.equal(a["image"], b["image"]) and torch.equal(a["mask"], b["mask"])
     # 48x64 resized to 24x24: the square [6:24, 8:32] becomes rows 3:12, cols 3:12.
     assert a["mask"][3:12, 3:12].all() and a["mask"].sum().item() == 81
+    assert a["name"] == ids[1]
 
 
 # ---------------------------------------------------------------------------- errors

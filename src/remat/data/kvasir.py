@@ -9,7 +9,6 @@ train/val split, made deterministic by sorting the ids and shuffling with a fixe
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -18,27 +17,14 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode
 
-from remat.data.base import SplitDataModule
+from remat.data.base import SplitDataModule, check_limits
 from remat.data.io import read_image
+from remat.data.paired import find_dataset_root, list_files, match_pairs, split_ids
 from remat.data.transforms import eval_transform, to_sample, train_transform
 
 KVASIR_URL = "https://datasets.simula.no/kvasir-seg/"
 KVASIR_LAYOUT = "images/*.jpg, masks/*.jpg (one mask per image, same file name)"
-_SUFFIXES = {".jpg", ".jpeg"}
-_SHOW = 5  # how many offending files an error message lists
-
-
-def _list_jpegs(folder: Path) -> dict[str, Path]:
-    return {
-        p.stem: p for p in sorted(folder.iterdir())
-        if p.suffix.lower() in _SUFFIXES and not p.name.startswith(".") and p.is_file()
-    }
-
-
-def _listing(paths: Sequence[Path], root: Path) -> str:
-    shown = ", ".join(str(p.relative_to(root)) for p in paths[:_SHOW])
-    more = len(paths) - _SHOW
-    return shown + (f" and {more} more" if more > 0 else "")
+_SUFFIXES = (".jpg", ".jpeg")
 
 
 def find_kvasir_pairs(root: str | Path | None) -> tuple[Path, list[str]]:
@@ -54,66 +40,18 @@ def find_kvasir_pairs(root: str | Path | None) -> tuple[Path, list[str]]:
     Raises:
         ValueError: ``root`` is None or empty.
         FileNotFoundError: the folder, ``images/`` or ``masks/`` is missing, there are no
-            JPEGs, or some image lacks its mask (or the reverse); the message names the files.
+            JPEGs, or some image lacks its mask (or the reverse); the message names the files
+            (see :func:`remat.data.paired.find_dataset_root` and
+            :func:`remat.data.paired.match_pairs`).
     """
-    if root is None or not str(root).strip():
-        raise ValueError(
-            "data.root is not set for Kvasir-SEG: pass data.root=/path/to/Kvasir-SEG (a folder "
-            f"with {KVASIR_LAYOUT}) or set REMAT_DATA_DIR to the folder that holds Kvasir-SEG/. "
-            f"Get the data from {KVASIR_URL}"
-        )
-    given = Path(root).expanduser()
-    candidates = [given, given / "Kvasir-SEG"]
-    found = next(
-        (c for c in candidates if (c / "images").is_dir() and (c / "masks").is_dir()), None
-    )
-    if found is None:
-        state = "does not exist" if not given.exists() else "has no images/ and masks/ folders"
-        raise FileNotFoundError(
-            f"Kvasir-SEG root {given} {state}. Expected layout: {given}/{{{KVASIR_LAYOUT}}} "
-            f"(or {given}/Kvasir-SEG/ holding them). Download it from {KVASIR_URL}"
-        )
-    images = _list_jpegs(found / "images")
-    masks = _list_jpegs(found / "masks")
-    if not images:
-        raise FileNotFoundError(
-            f"no images found in {found / 'images'}; expected {KVASIR_LAYOUT} from {KVASIR_URL}"
-        )
-    lone_images = [images[s] for s in sorted(images.keys() - masks.keys())]
-    lone_masks = [masks[s] for s in sorted(masks.keys() - images.keys())]
-    if lone_images or lone_masks:
-        parts = []
-        if lone_images:
-            parts.append(f"{len(lone_images)} image(s) without a mask: "
-                         f"{_listing(lone_images, found)}")
-        if lone_masks:
-            parts.append(f"{len(lone_masks)} mask(s) without an image: "
-                         f"{_listing(lone_masks, found)}")
-        raise FileNotFoundError(
-            f"Kvasir-SEG at {found} is incomplete; " + "; ".join(parts)
-            + f". Every images/<id>.jpg needs masks/<id>.jpg ({KVASIR_URL})"
-        )
-    return found, sorted(images)
-
-
-def split_ids(ids: Sequence[str], val_size: int, split_seed: int) -> tuple[list[str], list[str]]:
-    """Deterministic train/val split (880/120 for Kvasir-SEG, Jha et al. 2021).
-
-    Sorts ``ids``, shuffles them with ``random.Random(split_seed)`` and returns the first
-    ``len(ids) - val_size`` as train and the rest as val.
-
-    Raises:
-        ValueError: ``val_size`` is < 1 or >= ``len(ids)``.
-    """
-    if not 1 <= val_size < len(ids):
-        raise ValueError(
-            f"val_size must be between 1 and {len(ids) - 1} for {len(ids)} image/mask pairs, "
-            f"got {val_size}"
-        )
-    order = sorted(ids)
-    random.Random(split_seed).shuffle(order)
-    cut = len(order) - val_size
-    return order[:cut], order[cut:]
+    required = ("images", "masks")
+    found = find_dataset_root(
+        root, title="Kvasir-SEG", folder="Kvasir-SEG", layout=KVASIR_LAYOUT, url=KVASIR_URL,
+        is_root=lambda c: all((c / d).is_dir() for d in required), required=required)
+    pairs = match_pairs(list_files(found / "images", _SUFFIXES),
+                        list_files(found / "masks", _SUFFIXES),
+                        f"Kvasir-SEG at {found}", KVASIR_LAYOUT, root=found)
+    return found, [pair.name for pair in pairs]
 
 
 class KvasirSegDataset(Dataset):
@@ -125,8 +63,8 @@ class KvasirSegDataset(Dataset):
         transform: joint v2 transform ``(Image uint8 [3,H,W], Mask uint8 [1,H,W]) ->
             (Image float32 [3,S,S], Mask [1,S,S])``, e.g. from :mod:`remat.data.transforms`.
 
-    Items are ``{"image": float32 [3, S, S], "mask": int64 [S, S]}``, mask 1 where the
-    mask JPEG (as one channel) is >= 128, else 0.
+    Items are ``{"image": float32 [3, S, S], "mask": int64 [S, S], "name": str}`` (the file
+    stem), mask 1 where the mask JPEG (as one channel) is >= 128, else 0.
 
     Raises (on ``__getitem__``):
         RuntimeError: an image or mask cannot be decoded; names the file.
@@ -161,7 +99,7 @@ class KvasirSegDataset(Dataset):
             )
         mask = (mask >= 128).to(torch.uint8)
         image, mask = self.transform(tv_tensors.Image(image), tv_tensors.Mask(mask))
-        return to_sample(image, mask)
+        return {**to_sample(image, mask), "name": stem}
 
 
 class KvasirSegDataModule(SplitDataModule):
@@ -179,7 +117,8 @@ class KvasirSegDataModule(SplitDataModule):
         limit_train, limit_val: keep only the first n of each split (tiny runs), or None.
 
     Batches are ``{"image": float32 [B, 3, S, S] (ImageNet-normalised), "mask": int64
-    [B, S, S]}`` with mask values 0 (background) and 1 (polyp).
+    [B, S, S]}`` with mask values 0 (background) and 1 (polyp); ``class_names`` names them
+    and ``ignore_index`` is 255 like every remat datamodule's (no Kvasir pixel has it).
 
     Raises (in ``setup``): ValueError for an unset ``root``, a bad ``val_size`` or limit;
     FileNotFoundError for a missing folder or unpaired files (see :func:`find_kvasir_pairs`).
@@ -200,9 +139,7 @@ class KvasirSegDataModule(SplitDataModule):
         pin_memory: bool = False,
     ) -> None:
         super().__init__(batch_size, num_workers, pin_memory, loader_seed=split_seed)
-        for name, value in (("limit_train", limit_train), ("limit_val", limit_val)):
-            if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        check_limits(limit_train=limit_train, limit_val=limit_val)
         self.root = root
         self.image_size = image_size
         self.val_size = val_size
@@ -211,6 +148,8 @@ class KvasirSegDataModule(SplitDataModule):
         self.limit_train = limit_train
         self.limit_val = limit_val
         self.num_classes = 1
+        self.class_names = ("background", "polyp")
+        self.ignore_index = 255  # never present: every Kvasir pixel is labelled
         self.dataset_root: Path | None = None
         self.train_ids: list[str] = []
         self.val_ids: list[str] = []

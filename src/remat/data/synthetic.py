@@ -160,7 +160,8 @@ class SyntheticSegDataModule(SplitDataModule):
     """Lightning datamodule over :class:`SyntheticSegDataset` (train and val streams).
 
     Batches are ``{"image": float32 [B, 3, S, S], "mask": int64 [B, S, S]}``; binary task,
-    so ``num_classes == 1``. The train loader shuffles with a generator seeded by ``seed`` and
+    so ``num_classes == 1`` (``class_names`` background/object; ``ignore_index`` 255 never
+    occurs). The train loader shuffles with a generator seeded by ``seed`` and
     drops the last partial batch only when the train set is larger than ``batch_size``.
     """
 
@@ -180,6 +181,8 @@ class SyntheticSegDataModule(SplitDataModule):
         self.num_val = num_val
         self.seed = seed
         self.num_classes = 1
+        self.class_names = ("background", "object")
+        self.ignore_index = 255  # never present in synthetic masks
 
     def setup(self, stage: str | None = None) -> None:
         """Build the train and val datasets (cheap: samples are drawn on access)."""

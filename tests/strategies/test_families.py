@@ -1,8 +1,9 @@
 """Guarantees of GUIDE.md sec. 3, parametrised over strategy x model family.
 
 Families: smp U-Net with a ResNet encoder (BatchNorm, in-place ReLU), smp U-Net with a
-``tu-`` timm encoder (``features_only``), a timm ViT (dropout, drop path), and the GPT block
-stack (dropout inside and outside attention).
+``tu-`` timm encoder (``features_only``), a timm ViT (dropout, drop path), the GPT block
+stack (dropout inside and outside attention) with learned and with rotary positions, and the
+ViT segmenter (timm ViT encoder + BatchNorm upsampling decoder).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import timm
 import torch
 
 from remat.models.gpt import GPT
+from remat.models.vit_seg import ViTSegmenter
 from remat.strategies import build_strategy
 from tests.strategies.common import count_calls
 
@@ -47,7 +49,20 @@ def _gpt():
     return model, ["blocks"], lambda: torch.randint(0, 50, (2, 32))
 
 
-FAMILIES = {"unet_resnet": _unet_resnet, "unet_timm": _unet_timm, "vit": _vit, "gpt": _gpt}
+def _gpt_rotary():
+    model = GPT(vocab_size=50, block_size=32, n_layer=5, n_head=4, n_embd=32, dropout=0.2,
+                pos_embedding="rotary")
+    return model, ["blocks"], lambda: torch.randint(0, 50, (2, 32))
+
+
+def _vit_seg():
+    model = ViTSegmenter(img_size=32, patch_size=8, embed_dim=24, depth=4, num_heads=2,
+                         decoder_channels=(8, 8, 4), drop_rate=0.1, drop_path_rate=0.2)
+    return model, ["encoder.blocks"], lambda: torch.randn(2, 3, 32, 32)
+
+
+FAMILIES = {"unet_resnet": _unet_resnet, "unet_timm": _unet_timm, "vit": _vit, "gpt": _gpt,
+            "gpt_rotary": _gpt_rotary, "vit_seg": _vit_seg}
 _CACHE: dict[str, tuple] = {}
 
 

@@ -32,3 +32,14 @@ def compose_train(output_dir: Path, overrides: list[str] = ()) -> DictConfig:
         cfg.hydra.job.num = 0
     HydraConfig().set_config(cfg)
     return cfg
+
+
+def compose_config(name: str, output_dir: Path, overrides: list[str] = ()) -> DictConfig:
+    """Compose ``configs/<name>.yaml`` (``estimate``, ``bench``) with overrides; outputs go
+    to ``output_dir``."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
+        cfg = compose(name, overrides=list(overrides))
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(output_dir)
+    return cfg

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.bench import TorchCheckpointSequential, format_table, run_benchmark
+from remat.bench import TorchCheckpointSequential, bench, format_table, run_benchmark
 from remat.models import SegmentationModule, SequenceModule
 from remat.strategies import StageError, build_strategy
+from tests.helpers import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,18 +59,44 @@ def test_benchmark_requires_the_none_reference():
 def test_bench_entry_point_writes_csv_and_json(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, "-m", "remat.bench", "model=gpt_tiny", "batch_size=1", "input_size=64",
-         "strategies=[none,full,{name: every_k, k: 2}]", "warmup=0", "steps=1",
-         f"hydra.run.dir={out}"],
+        [sys.executable, "-m", "remat.bench", "model=gpt_tiny", "data.batch_size=1",
+         "data.block_size=[32,64]", "strategies=[none,full,{name: every_k, k: 2}]",
+         "warmup=0", "steps=1", f"hydra.run.dir={out}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((out / "bench.json").read_text())
-    assert [r["strategy"] for r in record["rows"]] == ["none", "full", "every_k(k=2)",
-                                                       "torch_checkpoint_sequential"]
+    names = ["none", "full", "every_k(k=2)", "torch_checkpoint_sequential"]
+    assert [(r["size"], r["strategy"]) for r in record["rows"]] == [
+        (size, name) for size in (32, 64) for name in names]
+    assert record["size_key"] == "data.block_size" and record["sizes"] == [32, 64]
     assert all(r["grads_match"] for r in record["rows"])
-    assert (out / "bench.csv").read_text().startswith("strategy,peak_bytes")
+    by = {(r["size"], r["strategy"]): r for r in record["rows"]}
+    assert by[(64, "none")]["peak_bytes"] > by[(32, "none")]["peak_bytes"]
+    assert (out / "bench.csv").read_text().startswith("size,strategy,peak_bytes")
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "x none" in proc.stdout and "every_k(k=2)" in proc.stdout
+
+
+def test_timm_reference_row_where_a_timm_model_holds_the_stages(tmp_path):
+    cfg = compose_config("bench", tmp_path, [
+        "model=unet_convnext", "model.encoder_name=tu-convnext_atto",
+        "model.arch_kwargs.decoder_channels=[32,16,16,8,8]", "data.batch_size=1",
+        "data.image_size=32", "strategies=[none,sqrtn]", "warmup=0", "steps=1", "device=cpu"])
+    rows = bench(cfg)["rows"]
+    names = [r["strategy"] for r in rows]
+    assert names == ["none", "sqrtn", "torch_checkpoint_sequential",
+                     "timm_set_grad_checkpointing"]
+    assert all(r["grads_match"] for r in rows)
+    assert rows[3]["peak_bytes"] < rows[0]["peak_bytes"]
+
+
+def test_bench_sizes_must_be_positive_integers_naming_the_key(tmp_path):
+    cfg = compose_config("bench", tmp_path, ["model=gpt_tiny", "data.block_size=[64,0]"])
+    with pytest.raises(ValueError, match=r"data.block_size must be an integer >= 1.*\[64, 0\]"):
+        bench(cfg)
+    cfg = compose_config("bench", tmp_path, ["data.image_size=big"])
+    with pytest.raises(ValueError, match="data.image_size must be an integer"):
+        bench(cfg)
 
 
 @pytest.mark.slow

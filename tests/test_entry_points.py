@@ -51,3 +51,21 @@ def test_bad_command_line_fails_with_a_clear_message(tmp_path, override, expecte
                 cwd=tmp_path)
     assert proc.returncode != 0
     assert expected in proc.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_small_on_cpu(tmp_path):
+    """scripts/gpu_check.sh with GPU_CHECK_SMALL=1: both benchmarks, tables under $OUT
+    (about 30 s on 2 shared cores)."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), GPU_CHECK_SMALL="1",
+               PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    unet = json.loads((out / "unet" / "bench.json").read_text())
+    gpt = json.loads((out / "gpt" / "bench.json").read_text())
+    assert unet["precision"] == gpt["precision"] == "bf16-mixed"
+    assert gpt["sizes"] == [32, 128]  # SEQ_MAX=128 caps the doubling on CPU; a quarter of it
+    assert all(r["grads_match"] for r in unet["rows"] + gpt["rows"])
+    assert "grads match" in (out / "gpt.txt").read_text()

@@ -129,3 +129,31 @@ def test_resuming_with_more_epochs_warns_that_the_schedule_has_ended(tmp_path):
     with pytest.warns(UserWarning, match="T_max=1 epochs but trainer.max_epochs=2"):
         train(compose_train(tmp_path / "b", [*TINY, "trainer.max_epochs=2",
                                              f"ckpt_path={first['last_model_path']}"]))
+
+
+def test_summary_holds_estimate_throughput_and_epoch_peaks(tmp_path):
+    summary = train(compose_train(tmp_path, [*TINY, "strategy=sqrtn", "trainer.max_epochs=2",
+                                             "callbacks.run_report.estimate=true",
+                                             "trainer.log_every_n_steps=1"]))
+    est, measured = summary["memory_estimate"], summary["peak_memory_bytes"]
+    assert est["strategy"] == "sqrtn" and (est["batch_size"], est["size"]) == (4, 64)
+    # the prediction at start against the tracked Lightning batches (same step, same sizes)
+    assert abs(est["peak_bytes"] - measured) <= 0.10 * measured
+    assert est["categories"]["optimizer_state"] > 0 and est["categories"]["activations"] > 0
+    # 2 batches per epoch: both tracked in epoch 0; epoch 1 untracked on CPU
+    assert summary["peak_memory_per_epoch_bytes"] == [measured, None]
+    assert summary["samples_per_s"] == pytest.approx(4000.0 / summary["median_step_ms"])
+    assert summary["pixels_per_s"] == pytest.approx(summary["samples_per_s"] * 64 * 64)
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    logged = {k for row in rows for k, v in row.items() if v}
+    assert {"mem/estimate_bytes", "mem/step_peak_bytes", "mem/epoch_peak_bytes",
+            "time/step_ms", "time/samples_per_s", "time/pixels_per_s"} <= logged
+
+
+def test_estimate_at_start_gives_a_note_not_a_wrong_number_for_a_ready_net(tmp_path):
+    # the ViT segmenter is passed to SegmentationModule as a ready net: its hyperparameters
+    # alone would rebuild an smp U-Net, so the callback must refuse rather than estimate that
+    summary = train(compose_train(tmp_path, [*TINY, "model=vit_seg_tiny", "trainer.max_steps=1",
+                                             "callbacks.run_report.estimate=true"]))
+    assert summary["status"] == "completed" and summary["memory_estimate"] is None
+    assert "cannot be rebuilt from its hyperparameters" in summary["memory_estimate_note"]

@@ -1,7 +1,8 @@
 """Strategies side by side in one process: peak memory, step time, gradient parity.
 
-``python -m remat.bench model=gpt_small batch_size=2 input_size=1024`` or
-``python -m remat.bench model=unet_resnet34 batch_size=2 input_size=512``.
+``python -m remat.bench model=unet_resnet34 data.image_size=512 data.batch_size=2`` or
+``python -m remat.bench model=gpt_small data.batch_size=2 'data.block_size=[512,1024,2048]'``
+(a list of sizes runs one after another in one process; one table with a size column).
 
 Protocol (GUIDE.md sec. 4): every strategy wraps a copy of the same model (same weights);
 peak memory of one training step (forward, loss, backward; parameters and gradients
@@ -9,6 +10,11 @@ included, no optimizer state) is measured per strategy (CUDA allocator peak, or 
 tensor-level MemTracker on CPU); step times are interleaved across strategies after
 ``warmup`` rounds and the median of ``steps`` timed rounds is kept. A memory saving counts
 only if the strategy's gradients match ``none`` on the same batch and seed.
+
+Reference rows from outside remat, measured in the same run: torch's
+``checkpoint_sequential`` with ceil(sqrt(N)) segments per ``nn.Sequential`` stage, and timm's
+``set_grad_checkpointing`` wherever a timm model holds the stages (``tu-`` encoders, timm
+ViTs); ``reference_points=false`` drops them.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import json
 import logging
 import platform
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,15 +33,25 @@ import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch.utils.checkpoint import checkpoint_sequential
 
 from remat.config import config_dir
-from remat.measure import PeakMemory, StepTimer, device_name, format_bytes
+from remat.measure import (
+    TOLERANCES,
+    PeakMemory,
+    StepTimer,
+    compare_gradients,
+    device_name,
+    format_bytes,
+    gradients_of,
+    training_step,
+)
 from remat.strategies import (
     CheckpointStrategy,
     StageError,
     StrategyReport,
+    TimmNative,
     build_strategy,
     resolve_stages,
     sqrt_segments,
@@ -45,7 +60,8 @@ from remat.strategies.segmented import _patch, unpatch_all
 
 log = logging.getLogger(__name__)
 
-TOLERANCES = {"32-true": (1e-5, 1e-6), "bf16-mixed": (2e-2, 2e-2), "16-mixed": (1e-2, 1e-2)}
+TIMM_REFERENCE = "timm_set_grad_checkpointing"
+
 
 
 @dataclass
@@ -60,22 +76,13 @@ class BenchRow:
     peak_ratio: float = float("nan")
     time_ratio: float = float("nan")
     step_ms: list[float] = field(default_factory=list)
-
-
-def _autocast(device: torch.device, precision: str):
-    if precision == "32-true":
-        return nullcontext()
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    if dtype is None:
-        raise ValueError(f"bench precision={precision!r}: use 32-true, bf16-mixed or 16-mixed")
-    return torch.autocast(device.type, dtype=dtype)
+    reserved_bytes: int | None = None
+    size: int | None = None
 
 
 def _step(module: L.LightningModule, batch: dict, device: torch.device, precision: str) -> None:
     module.zero_grad(set_to_none=True)
-    with _autocast(device, precision):
-        loss = module.training_loss(batch)
-    loss.backward()
+    training_step(module, batch, None, device, precision)
 
 
 def run_benchmark(base: L.LightningModule, stages: Sequence[str],
@@ -113,8 +120,7 @@ def run_benchmark(base: L.LightningModule, stages: Sequence[str],
     for name, model in models.items():  # gradient parity: same batch, same RNG
         torch.manual_seed(seed)
         _step(model, batch, device, precision)
-        grads[name] = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                       if p.grad is not None}
+        grads[name] = gradients_of(model)
     peaks = {}
     for name, model in models.items():
         model.zero_grad(set_to_none=True)
@@ -131,12 +137,10 @@ def run_benchmark(base: L.LightningModule, stages: Sequence[str],
     rtol, atol = TOLERANCES.get(precision, (1e-2, 1e-2))
     rows = []
     for name in models:
-        ref, got = grads["none"], grads[name]
-        match = ref.keys() == got.keys() and all(
-            torch.allclose(got[k], ref[k], rtol=rtol, atol=atol) for k in ref)
-        diff = max(((got[k] - ref[k]).abs().max().item() for k in ref if k in got), default=0.0)
+        parity = compare_gradients(grads["none"], grads[name], rtol=rtol, atol=atol)
         rows.append(BenchRow(name, int(peaks[name].peak_bytes), float(timers[name].median_ms),
-                             bool(match), float(diff), step_ms=timers[name].times_ms))
+                             parity.match, parity.max_abs_diff, step_ms=timers[name].times_ms,
+                             reserved_bytes=peaks[name].reserved_bytes))
     ref_row = rows[0] if rows[0].strategy == "none" else next(r for r in rows
                                                                  if r.strategy == "none")
     for row in rows:
@@ -204,28 +208,69 @@ def plot(rows: Sequence[BenchRow], path: Path, title: str) -> None:
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
-    """Plain-text table: strategy, peak MiB, x none, median step ms, x none, grads match."""
+    """Plain-text table: size, strategy, peak memory, x none, median step ms, x none, grads
+    match (yes/NO)."""
     w = max([len("strategy"), *(len(r.strategy) for r in rows)]) + 2
-    lines = [f"{'strategy':<{w}}{'peak memory':>14}{'x none':>9}{'step time':>13}{'x none':>9}"
-             f"{'grads match':>13}"]
+    lines = [f"{'size':>6}  {'strategy':<{w}}{'peak memory':>14}{'x none':>9}{'step time':>13}"
+             f"{'x none':>9}{'grads match':>13}"]
     for r in rows:
-        lines.append(f"{r.strategy:<{w}}{format_bytes(r.peak_bytes):>14}{r.peak_ratio:>9.2f}"
+        lines.append(f"{r.size if r.size is not None else '':>6}  {r.strategy:<{w}}"
+                     f"{format_bytes(r.peak_bytes):>14}{r.peak_ratio:>9.2f}"
                      f"{r.median_ms:>10.1f} ms{r.time_ratio:>9.2f}"
                      f"{'yes' if r.grads_match else 'NO':>13}")
     return "\n".join(lines)
 
 
-def bench(cfg: DictConfig) -> dict[str, Any]:
-    """Run the benchmark the config describes; write ``bench.csv`` and ``bench.json``.
+def _sizes(cfg: DictConfig) -> tuple[str, list[int]]:
+    """The size key and its values: ``data.block_size`` for sequence models (default
+    ``model.block_size``), ``data.image_size`` for image models; one value or a list.
 
     Raises:
-        ValueError: unknown strategy (lists valid ones), bad sizes or precision.
+        ValueError: a missing size or one that is not an integer >= 1 (names the key).
+    """
+    if "block_size" in cfg.model:
+        key, value = "data.block_size", cfg.data.get("block_size")
+        if value is None:  # the model config's own fallback, as without a data.block_size
+            fallback = cfg.copy()
+            with open_dict(fallback):
+                del fallback.data["block_size"]
+            value = fallback.model.block_size
+    else:
+        key, value = "data.image_size", cfg.data.get("image_size")
+    values = list(value) if isinstance(value, ListConfig | list | tuple) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+        raise ValueError(f"bench: {key} must be an integer >= 1 or a list of them, got "
+                         f"{shown!r}")
+    return key, [int(v) for v in values]
+
+
+def _timm_reference(base: L.LightningModule, stages: Sequence[str]) -> TimmNative | None:
+    """timm's own ``set_grad_checkpointing`` as a reference row, if the model supports it
+    (a timm model or an smp ``tu-`` encoder holds the stages); else ``None``."""
+    probe = copy.deepcopy(base.net)
+    try:
+        TimmNative().apply(probe, list(stages))
+    except StageError as err:
+        log.info("no timm reference row: %s", str(err).split(";")[0])
+        return None
+    return TimmNative()
+
+
+def bench(cfg: DictConfig) -> dict[str, Any]:
+    """Run the benchmark the config describes, once per size in the size list; write
+    ``bench.csv``, ``bench.json`` and ``bench.png`` (one table, a ``size`` column).
+
+    Raises:
+        ValueError: unknown strategy (lists valid ones), bad sizes (naming the key) or
+            precision.
     """
     if str(cfg.precision) == "16-mixed" and not (cfg.device != "cpu" and torch.cuda.is_available()):
         raise ValueError("bench precision=16-mixed needs a CUDA device; on CPU use bf16-mixed")
-    if int(cfg.batch_size) < 1 or int(cfg.input_size) < 1:
-        raise ValueError(f"batch_size and input_size must be >= 1, got {cfg.batch_size}, "
-                         f"{cfg.input_size}")
+    batch_size = cfg.data.get("batch_size")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"bench: data.batch_size must be an integer >= 1, got {batch_size!r}")
+    size_key, sizes = _sizes(cfg)
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if cfg.device == "auto" else cfg.device))
     strategies: dict[str, CheckpointStrategy] = {}
@@ -235,20 +280,37 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         args = ", ".join(f"{k}={v}" for k, v in overrides.items())
         label = f"{name}({args})" if overrides else name
         strategies[label] = build_strategy(name, **overrides)
-    if cfg.get("reference_points", True):
-        strategies[TorchCheckpointSequential.name] = TorchCheckpointSequential()
-    L.seed_everything(cfg.seed, workers=False)
-    model_cfg = cfg.model.copy()
-    with open_dict(model_cfg):  # one step, no optimizer: the scheduler (and its ${trainer...}) goes
-        model_cfg.scheduler = None
-    base = instantiate(model_cfg)  # no strategy: wraps nothing
-    generator = torch.Generator().manual_seed(cfg.seed)
-    batch = base.example_batch(int(cfg.batch_size), int(cfg.input_size), generator)
-    rows = run_benchmark(base, list(cfg.model.stages), strategies, batch, device,
-                         str(cfg.precision), int(cfg.warmup), int(cfg.steps), int(cfg.seed))
+    rows: list[BenchRow] = []
+    for size in sizes:
+        L.seed_everything(cfg.seed, workers=False)
+        run_cfg = copy.deepcopy(cfg)  # this size in data.*, so ${data...} in the model follow
+        with open_dict(run_cfg):
+            run_cfg.data[size_key.split(".")[1]] = size
+            model_cfg = run_cfg.model  # one step, no optimizer: drop the scheduler
+            model_cfg.scheduler = None
+            if size_key == "data.block_size":
+                model_cfg.block_size = size  # the model follows the data, as in training
+        base = instantiate(model_cfg)  # no strategy: wraps nothing
+        runs = dict(strategies)
+        if cfg.get("reference_points", True):
+            runs[TorchCheckpointSequential.name] = TorchCheckpointSequential()
+            timm = _timm_reference(base, list(cfg.model.stages))
+            if timm is not None:
+                runs[TIMM_REFERENCE] = timm
+        generator = torch.Generator().manual_seed(cfg.seed)
+        batch = base.example_batch(batch_size, size, generator)
+        size_rows = run_benchmark(base, list(cfg.model.stages), runs, batch, device,
+                                  str(cfg.precision), int(cfg.warmup), int(cfg.steps),
+                                  int(cfg.seed))
+        for row in size_rows:
+            row.size = size
+        rows.extend(size_rows)
+        print(format_table(size_rows), flush=True)  # progress: one size at a time
+        del base, batch
+    model_name = cfg.model._target_.rsplit(".", 1)[-1]
     record = {
-        "model": OmegaConf.to_container(model_cfg, resolve=True),
-        "batch_size": int(cfg.batch_size), "input_size": int(cfg.input_size),
+        "model": OmegaConf.to_container(cfg.model, resolve=False),
+        "batch_size": batch_size, "size_key": size_key, "sizes": sizes,
         "precision": str(cfg.precision), "device": device_name(device),
         "torch_version": torch.__version__, "machine": platform.machine(),
         "warmup": int(cfg.warmup), "steps": int(cfg.steps),
@@ -257,18 +319,19 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(record, indent=2))
-    title = (f"{cfg.model._target_.rsplit('.', 1)[-1]}, batch {cfg.batch_size}, input "
-             f"{cfg.input_size}, {cfg.precision}, {record['device']}")
+    title = (f"{model_name}, batch {batch_size}, {size_key} {', '.join(map(str, sizes))}, "
+             f"{cfg.precision}, {record['device']}")
     plot(rows, out / "bench.png", title)
     with (out / "bench.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["strategy", "peak_bytes", "peak_ratio", "median_ms", "time_ratio",
-                         "grads_match", "max_grad_diff"])
+        writer.writerow(["size", "strategy", "peak_bytes", "peak_ratio", "median_ms",
+                         "time_ratio", "grads_match", "max_grad_diff", "reserved_bytes"])
         for r in rows:
-            writer.writerow([r.strategy, r.peak_bytes, f"{r.peak_ratio:.4f}", f"{r.median_ms:.2f}",
-                             f"{r.time_ratio:.4f}", r.grads_match, f"{r.max_grad_diff:.3g}"])
-    print(f"{cfg.model._target_.rsplit('.', 1)[-1]} batch {cfg.batch_size}, input "
-          f"{cfg.input_size}, {cfg.precision}, {record['device']}, torch {torch.__version__}")
+            writer.writerow([r.size, r.strategy, r.peak_bytes, f"{r.peak_ratio:.4f}",
+                             f"{r.median_ms:.2f}", f"{r.time_ratio:.4f}", r.grads_match,
+                             f"{r.max_grad_diff:.3g}", r.reserved_bytes or ""])
+    print(f"{model_name} batch {batch_size}, {size_key} {sizes}, {cfg.precision}, "
+          f"{record['device']}, torch {torch.__version__}")
     print(format_table(rows))
     print(f"wrote {out / 'bench.csv'}, {out / 'bench.json'} and {out / 'bench.png'}")
     return record

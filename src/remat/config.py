@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
@@ -53,3 +53,23 @@ def check_top_level(cfg: DictConfig) -> None:
                 "precision=16-mixed needs a CUDA device (float16 autocast with a gradient "
                 "scaler); on CPU use precision=bf16-mixed"
             )
+
+
+def per_step_batch(effective: int, accumulation: int) -> int:
+    """``data.batch_size`` for an effective batch of ``effective`` samples per optimizer step
+    with ``accumulation`` batches per step (the ``remat.batch_for`` resolver of
+    ``configs/sweep/ablation.yaml``).
+
+    Raises:
+        ValueError: ``effective`` not divisible by ``accumulation`` (names both keys).
+    """
+    effective, accumulation = int(effective), int(accumulation)
+    if accumulation < 1 or effective % accumulation:
+        raise ValueError(f"effective_batch_size={effective} is not divisible by "
+                         f"accumulate_grad_batches={accumulation}; pick values whose product "
+                         "with data.batch_size is the effective batch")
+    return effective // accumulation
+
+
+if not OmegaConf.has_resolver("remat.batch_for"):
+    OmegaConf.register_new_resolver("remat.batch_for", per_step_batch)

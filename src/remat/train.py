@@ -19,7 +19,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from remat.callbacks import PeakMemoryMonitor, StepTimeMonitor
+from remat.callbacks import PeakMemoryMonitor, RunReport, StepTimeMonitor
 from remat.config import check_top_level, config_dir
 from remat.measure import device_name
 
@@ -56,11 +56,29 @@ def _strategy_choice(cfg: DictConfig) -> str | None:
         return target.rsplit(".", 1)[-1] if target else None
 
 
+def _throughput(cfg: DictConfig, median_ms: float | None) -> dict[str, float | None]:
+    """Training throughput from the median step time: samples/s, and pixels/s (images,
+    ``data.image_size`` squared per sample) or tokens/s (``data.block_size`` per sample)."""
+    batch = cfg.data.get("batch_size")
+    if not median_ms or not isinstance(batch, int):
+        return {"samples_per_s": None}
+    samples = batch * 1000.0 / median_ms
+    out: dict[str, float | None] = {"samples_per_s": samples}
+    if isinstance(cfg.data.get("image_size"), int):
+        out["pixels_per_s"] = samples * cfg.data.image_size ** 2
+    if isinstance(cfg.data.get("block_size"), int):
+        out["tokens_per_s"] = samples * cfg.data.block_size
+    return out
+
+
 def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
                   status: str, error: str | None = None) -> dict[str, Any]:
     """The content of ``summary.json``: what ran, what it reached, what it cost.
 
-    Memory in bytes (``peak_memory_bytes``), time in milliseconds (``median_step_ms``).
+    Memory in bytes (``peak_memory_bytes``, ``peak_memory_reserved_bytes`` on CUDA,
+    ``peak_memory_per_epoch_bytes``, ``memory_estimate`` from :class:`RunReport`), time in
+    milliseconds (``median_step_ms``), throughput per second of training batches
+    (``samples_per_s``, ``pixels_per_s`` or ``tokens_per_s``, from the median step time).
     """
     summary: dict[str, Any] = {
         "status": status,
@@ -71,6 +89,7 @@ def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
         "accumulate_grad_batches": cfg.get("accumulate_grad_batches"),
         "batch_size": cfg.data.get("batch_size"),
         "image_size": cfg.data.get("image_size"),
+        "block_size": cfg.data.get("block_size"),
         "seed": cfg.get("seed"),
         "torch_version": torch.__version__,
         "lightning_version": L.__version__,
@@ -83,6 +102,7 @@ def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
         return summary
     memory = next((c for c in trainer.callbacks if isinstance(c, PeakMemoryMonitor)), None)
     timing = next((c for c in trainer.callbacks if isinstance(c, StepTimeMonitor)), None)
+    report_cb = next((c for c in trainer.callbacks if isinstance(c, RunReport)), None)
     metrics = {k: _to_number(v) for k, v in trainer.callback_metrics.items()}
     ckpt = trainer.checkpoint_callback
     summary.update({
@@ -91,8 +111,13 @@ def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
         "epochs": trainer.current_epoch,
         "metrics": {k: v for k, v in sorted(metrics.items()) if v is not None},
         "peak_memory_bytes": memory.peak_bytes if memory else None,
+        "peak_memory_reserved_bytes": getattr(memory, "reserved_bytes", None),
+        "peak_memory_per_epoch_bytes": getattr(memory, "epoch_peaks", None),
+        "memory_estimate": getattr(report_cb, "estimate", None),
+        "memory_estimate_note": getattr(report_cb, "estimate_note", None),
         "peak_memory_note": memory.skipped_reason if memory else "no PeakMemoryMonitor callback",
         "median_step_ms": timing.median_ms if timing else None,
+        **_throughput(cfg, timing.median_ms if timing else None),
         "timed_steps": len(timing.timer.times_ms) if timing and timing.timer else 0,
         "best_model_path": getattr(ckpt, "best_model_path", None) or None,
         "best_model_score": _to_number(getattr(ckpt, "best_model_score", None)),

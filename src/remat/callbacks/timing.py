@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 
 from remat.callbacks.memory import PeakMemoryMonitor
 from remat.measure import StepTimer
@@ -14,8 +15,12 @@ class StepTimeMonitor(L.Callback):
     """Times every training batch (device-synchronised), skipping warm-up batches and the
     batches :class:`PeakMemoryMonitor` is tracking (its CPU tracker slows them).
 
-    Logged per batch: ``time/step_ms`` (ms). ``median_ms`` is the median over the timed
-    batches, ``None`` if the run was too short to time any.
+    Logged per timed batch: ``time/step_ms`` (ms), ``time/samples_per_s`` and
+    ``time/pixels_per_s`` (image batches) or ``time/tokens_per_s`` (token batches); the
+    same counts Lightning's ``ThroughputMonitor`` would log, from this synchronised timer
+    (ThroughputMonitor times with its own clock and needs a ``batch_size_fn``).
+    ``median_ms`` is the median over the timed batches, ``None`` if the run was too short
+    to time any.
     """
 
     def __init__(self, warmup_batches: int = 2) -> None:
@@ -42,3 +47,20 @@ class StepTimeMonitor(L.Callback):
         elapsed = self.timer.stop(record=self._record)
         if len(self.timer.times_ms) > timed:  # kept: not warm-up, not memory-tracked
             pl_module.log("time/step_ms", elapsed, on_step=True, on_epoch=False, batch_size=1)
+            for name, count in _batch_counts(batch).items():
+                pl_module.log(f"time/{name}_per_s", count * 1000.0 / elapsed, on_step=True,
+                              on_epoch=False, batch_size=1)
+
+
+def _batch_counts(batch: Any) -> dict[str, int]:
+    """Samples in a batch and, for ``{"image": [B, C, H, W]}`` batches, pixels (B*H*W) or,
+    for ``{"tokens": [B, T+1]}`` batches, predicted tokens (B*T)."""
+    if not isinstance(batch, dict):
+        return {}
+    if isinstance(batch.get("image"), torch.Tensor) and batch["image"].ndim == 4:
+        b, _, h, w = batch["image"].shape
+        return {"samples": b, "pixels": b * h * w}
+    if isinstance(batch.get("tokens"), torch.Tensor) and batch["tokens"].ndim == 2:
+        b, t = batch["tokens"].shape
+        return {"samples": b, "tokens": b * (t - 1)}
+    return {}

@@ -49,6 +49,7 @@ import inspect
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -137,6 +138,8 @@ def _storage_key(t) -> tuple | None:
     """Identity of the memory a tensor lives in (views share it); ``None`` if unknown."""
     if not isinstance(t, torch.Tensor):
         return None
+    if isinstance(t, FakeTensor):  # no data pointer (remat.estimate): the storage object's id
+        return (t.device, "fake", t.untyped_storage()._cdata)
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):  # fake, meta, sparse, subclass

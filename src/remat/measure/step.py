@@ -1,0 +1,59 @@
+"""One training step (forward, loss, backward, optimizer step) measured for peak memory."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from remat.measure.memory import PeakMemory
+
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def autocast(device: torch.device | str, precision: str):
+    """The autocast context Lightning uses for ``precision`` (``32-true``: none).
+
+    Raises:
+        ValueError: a precision other than ``32-true``, ``bf16-mixed``, ``16-mixed``.
+    """
+    if precision == "32-true":
+        return nullcontext()
+    dtype = AUTOCAST_DTYPES.get(precision)
+    if dtype is None:
+        raise ValueError(f"precision={precision!r}: use 32-true, bf16-mixed or 16-mixed")
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def training_step(model: nn.Module, batch: dict[str, torch.Tensor],
+                  optimizer: torch.optim.Optimizer | None, device: torch.device | str,
+                  precision: str = "32-true") -> torch.Tensor:
+    """Forward and loss (``model.training_loss(batch)``) under autocast, ``backward``, then
+    ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` if an optimizer is given.
+
+    The optimizer step runs after backward, not as a closure, so MemTracker files every
+    tensor under the right category. Returns the (detached) loss.
+    """
+    with autocast(device, precision):
+        loss = model.training_loss(batch)
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def step_peak_memory(model: nn.Module, batch: dict[str, torch.Tensor],
+                     optimizer: torch.optim.Optimizer | None, device: torch.device | str,
+                     precision: str = "32-true", tracker: str = "auto") -> PeakMemory:
+    """Peak memory of one :func:`training_step`, split by category where MemTracker runs.
+
+    The first optimizer step allocates the optimizer state (Adam: two tensors per
+    parameter), so a first step is the most expensive one and the one to measure.
+    Returns the finished :class:`PeakMemory` (``peak_bytes``, ``categories``).
+    """
+    optimizers = [optimizer] if optimizer is not None else []
+    with PeakMemory(device, modules=[model], optimizers=optimizers, tracker=tracker) as peak:
+        training_step(model, batch, optimizer, device, precision)
+    return peak

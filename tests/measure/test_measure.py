@@ -1,0 +1,79 @@
+"""remat.measure: per-category peak split, gradient parity, autocast choice."""
+
+import pytest
+import torch
+from torch import nn
+
+from remat.measure import (
+    PeakMemory,
+    compare_gradients,
+    gradients_of,
+    step_peak_memory,
+    training_step,
+)
+
+
+class Tiny(nn.Module):
+    """Two linear layers; ``training_loss`` on ``{"x": [B, 256]}``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 512), nn.Linear(512, 1)
+
+    def training_loss(self, batch):
+        return self.b(torch.relu(self.a(batch["x"]))).square().mean()
+
+
+def test_step_peak_is_split_by_category_with_exact_parameter_bytes():
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = torch.optim.Adam(model.parameters())
+    peak = step_peak_memory(model, {"x": torch.randn(64, 256)}, optimizer, "cpu")
+    cats = peak.categories
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert cats["parameters"] == param_bytes
+    # Adam's first step: exp_avg and exp_avg_sq, one each per parameter
+    assert cats["optimizer_state"] >= 2 * param_bytes
+    assert sum(v for k, v in cats.items() if k != "total") == cats["total"] == peak.peak_bytes
+
+
+def test_split_false_reports_only_the_total():
+    model = Tiny()
+    with PeakMemory("cpu", modules=[model], split=False) as peak:
+        model.training_loss({"x": torch.randn(8, 256)}).backward()
+    assert set(peak.categories) == {"total"} and peak.peak_bytes > 0
+    assert peak.reserved_bytes is None  # allocator figure only on CUDA
+
+
+def test_activations_grow_with_the_batch():
+    model = Tiny()
+    small = step_peak_memory(model, {"x": torch.randn(16, 256)}, None, "cpu").categories
+    large = step_peak_memory(model, {"x": torch.randn(256, 256)}, None, "cpu").categories
+    # the hidden layer output (512 floats per sample) and its relu are kept for backward
+    assert large["activations"] - small["activations"] >= (256 - 16) * 512 * 4
+
+
+def test_gradient_parity_detects_a_difference_and_names_the_parameter():
+    torch.manual_seed(0)
+    a = Tiny()
+    b = Tiny()
+    b.load_state_dict(a.state_dict())
+    batch = {"x": torch.randn(4, 256)}
+    training_step(a, batch, None, "cpu")
+    training_step(b, batch, None, "cpu")
+    same = compare_gradients(a, b)
+    assert same.match and same.max_abs_diff == 0.0
+    grads = gradients_of(b)
+    grads["b.bias"] = grads["b.bias"] + 1e-3
+    diff = compare_gradients(a, grads)
+    assert not diff.match and diff.mismatched == ["b.bias"]
+    assert diff.max_abs_diff == pytest.approx(1e-3, rel=1e-3)
+    del grads["a.weight"]
+    assert "a.weight" in compare_gradients(a, grads).mismatched
+
+
+def test_unknown_precision_and_tracker_are_refused():
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        training_step(Tiny(), {"x": torch.randn(2, 256)}, None, "cpu", "fp8")
+    with pytest.raises(ValueError, match="tracker must be 'auto' or 'memtracker'"):
+        PeakMemory("cpu", tracker="nvml")

@@ -1,0 +1,116 @@
+"""The FakeTensor estimate agrees with the real MemTracker peak, and says when it cannot."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from remat.estimate import NotTraceable, estimate
+from tests.helpers import compose_config
+
+TRACEABLE = ["strategy=none", "strategy=full", "strategy=sqrtn", "strategy=every_k",
+             "strategy=selective", "strategy=selective strategy.policy=attention",
+             "strategy=offload", "strategy=offload strategy.segments=sqrtn"]
+GPT = ["model=gpt_tiny", "device=cpu"]
+# plain SGD (no optimizer state), so the peak is set by activations, not by Adam's moments
+UNET = ["model=unet_resnet18", "device=cpu", "data.batch_size=2",
+        "model.arch_kwargs.decoder_channels=[32,16,16,8,8]",
+        "model.optimizer._target_=torch.optim.SGD"]
+
+
+def _pair(tmp_path, overrides):
+    cfg = compose_config("estimate", tmp_path, overrides)
+    predicted = estimate(cfg)
+    measured = estimate(cfg, fake=False)
+    return predicted, measured
+
+
+def _within(predicted, measured, rel=0.10):
+    return abs(predicted.peak_bytes - measured.peak_bytes) <= rel * measured.peak_bytes
+
+
+@pytest.mark.parametrize("size", [64, 128])
+@pytest.mark.parametrize("strategy", TRACEABLE)
+def test_gpt_estimate_within_10_percent_of_measured(tmp_path, strategy, size):
+    predicted, measured = _pair(tmp_path, [*GPT, *strategy.split(), "data.batch_size=2",
+                                           f"+data.block_size={size}"])
+    assert predicted.fake and not measured.fake
+    assert predicted.size == size and predicted.size_key == "data.block_size"
+    assert _within(predicted, measured), (predicted.categories, measured.categories)
+    # the split is real: parameters are the model's parameter bytes, optimizer state Adam's
+    assert predicted.categories["parameters"] == measured.categories["parameters"] > 0
+
+
+@pytest.mark.parametrize("size", [64, 128])
+@pytest.mark.parametrize("strategy", ["strategy=sqrtn"])
+def test_unet_estimate_within_10_percent_of_measured(tmp_path, strategy, size):
+    predicted, measured = _pair(tmp_path, [*UNET, strategy, f"data.image_size={size}"])
+    assert _within(predicted, measured), (predicted.categories, measured.categories)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [64, 96])
+@pytest.mark.parametrize("strategy", TRACEABLE)
+def test_unet_estimate_every_strategy(tmp_path, strategy, size):
+    predicted, measured = _pair(tmp_path, [*UNET, *strategy.split(), f"data.image_size={size}"])
+    assert _within(predicted, measured), (predicted.categories, measured.categories)
+
+
+def test_estimate_splits_the_peak_by_category_and_is_fast(tmp_path):
+    cfg = compose_config("estimate", tmp_path, [*UNET, "data.image_size=1024",
+                                                "data.batch_size=4"])
+    start = time.perf_counter()
+    est = estimate(cfg)
+    assert time.perf_counter() - start < 60
+    params = est.categories["parameters"]
+    # a ResNet-18 U-Net at 1024 px, batch 4: activations dwarf the weights
+    assert est.categories["activations"] > 20 * params
+    assert sum(v for k, v in est.categories.items() if k != "total") == est.peak_bytes
+
+
+def test_sqrtn_estimate_is_below_none(tmp_path):
+    none = estimate(compose_config("estimate", tmp_path, [*GPT, "+data.block_size=256"]))
+    sqrtn = estimate(compose_config("estimate", tmp_path, [*GPT, "+data.block_size=256",
+                                                           "strategy=sqrtn"]))
+    assert sqrtn.categories["activations"] < 0.7 * none.categories["activations"]
+
+
+def test_compile_is_not_estimated(tmp_path):
+    with pytest.raises(NotTraceable, match="strategy 'compile' cannot be estimated"):
+        estimate(compose_config("estimate", tmp_path, [*GPT, "strategy=compile"]))
+
+
+def test_size_overflowing_int64_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"data.image_size=10000000000 .*int64"):
+        estimate(compose_config("estimate", tmp_path, [*UNET, f"data.image_size={10**10}"]))
+
+
+def test_config_that_fails_to_build_names_the_group(tmp_path):
+    with pytest.raises(ValueError,
+                       match=r"config group 'model' failed to build(.|\n)*encoder_name"):
+        estimate(compose_config("estimate", tmp_path, [*UNET, "model.encoder_name=resnet_nope"]))
+    with pytest.raises(ValueError, match=r"config group 'strategy' failed to build.*every_k"):
+        estimate(compose_config("estimate", tmp_path, [*GPT, "strategy=every_k",
+                                                       "strategy.k=0"]))
+
+
+def test_cuda_without_a_driver_is_refused_with_the_reason(tmp_path):
+    if torch.cuda.is_available():
+        pytest.fail("this check is for CPU-only machines; on a GPU machine device=cuda works")
+    with pytest.raises(ValueError, match="device=cuda.*fake CUDA tensors"):
+        estimate(compose_config("estimate", tmp_path, [*GPT, "device=cuda"]))
+
+
+def test_entry_point_prints_the_table_and_refuses_compile(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "remat.estimate", *GPT, "+data.block_size=64",
+                         "strategy=sqrtn", f"hydra.run.dir={tmp_path / 'a'}"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "predicted peak of one training step: strategy sqrtn" in ok.stdout
+    assert "activations" in ok.stdout and (tmp_path / "a" / "estimate.json").is_file()
+    bad = subprocess.run([sys.executable, "-m", "remat.estimate", *GPT, "strategy=compile",
+                          f"hydra.run.dir={tmp_path / 'b'}"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "cannot be estimated" in bad.stderr

@@ -1,0 +1,98 @@
+"""``python -m remat.report`` over a real multirun, and over hand-made broken sweeps."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remat.report import collect, report
+
+REPO = Path(__file__).resolve().parents[1]
+# 6 images of 32 px, batch 2: 3 training steps in one epoch, then one validation
+TINY = ["data.image_size=32", "data.num_train=6", "data.num_val=2", "data.batch_size=2",
+        "trainer.max_steps=3", "trainer.max_epochs=1", "trainer.accelerator=cpu",
+        "callbacks=minimal", "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "model.arch_kwargs.decoder_channels=[16,16,8,8,8]"]
+
+
+def _run(args, cwd):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_multirun_then_report_gives_four_rows_and_plots(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _run([str(REPO / "train.py"), "-m", "strategy=none,sqrtn",
+                 "precision=32-true,bf16-mixed", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _run(["-m", "remat.report", str(sweep)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader((sweep / "report.csv").open()))
+    assert len(rows) == 4
+    assert {(r["strategy"], r["precision"]) for r in rows} == {
+        (s, p) for s in ("none", "sqrtn") for p in ("32-true", "bf16-mixed")}
+    assert all(r["status"] == "completed" and int(r["peak_memory_bytes"]) > 0 for r in rows)
+    assert all(0.0 <= float(r["value"]) <= 1.0 and r["metric"] == "val/dice" for r in rows)
+    # sorted: by precision, then peak memory
+    assert [r["precision"] for r in rows] == ["32-true", "32-true", "bf16-mixed", "bf16-mixed"]
+    assert int(rows[0]["peak_memory_bytes"]) <= int(rows[1]["peak_memory_bytes"])
+    for name in ("report_memory_time.png", "report_metric_memory.png"):
+        assert (sweep / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (sweep / "report.md").read_text().count("| completed |") == 4
+    assert "sqrtn" in out.stdout and "bf16-mixed" in out.stdout
+
+
+def _job(root, name, summary=None, config=None, raw=None):
+    job = root / name
+    (job / ".hydra").mkdir(parents=True)
+    if raw is not None:
+        (job / "summary.json").write_text(raw)
+    elif summary is not None:
+        (job / "summary.json").write_text(json.dumps(summary))
+    if config is not None:
+        (job / "config.yaml").write_text(config)
+    return job
+
+
+DONE = {"status": "completed", "strategy": "sqrtn", "precision": "32-true",
+        "accumulate_grad_batches": 2, "batch_size": 4, "image_size": 256,
+        "peak_memory_bytes": 3 * 2**30, "median_step_ms": 500.0, "monitor": "val/dice",
+        "metrics": {"val/dice": 0.81}}
+
+
+def test_failed_and_missing_jobs_are_listed_and_references_shown(tmp_path):
+    config = ("precision: 32-true\naccumulate_grad_batches: 1\ndata: {batch_size: 8}\n"
+              "reference:\n  - {metric: val/dice, value: 0.876, model: ResUNet++, "
+              "source: 'Jha et al. 2021, Table 3'}\n")
+    _job(tmp_path, "0", DONE, config)
+    _job(tmp_path, "1", {"status": "failed", "strategy": "full", "precision": "32-true",
+                         "error": "ValueError: accumulate_grad_batches must be >= 1"})
+    _job(tmp_path, "2", None, config)
+    jobs = report(tmp_path)
+    assert [(j.job, j.status) for j in jobs] == [("0", "completed"), ("1", "failed"),
+                                                 ("2", "missing")]
+    assert jobs[0].throughput == pytest.approx(8.0)  # 4 samples / 0.5 s
+    assert jobs[0].published == ["val/dice 0.810 vs 0.876 (ResUNet++, Jha et al. 2021, "
+                                 "Table 3)"]
+    assert jobs[2].batch == 8 and "no summary.json" in jobs[2].error
+    md = (tmp_path / "report.md").read_text()
+    assert "| failed |" in md and "| missing |" in md and "0.876" in md
+
+
+def test_directory_without_runs_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=f"no runs under {tmp_path}"):
+        collect(tmp_path)
+    proc = _run(["-m", "remat.report", str(tmp_path / "nope")], tmp_path)
+    assert proc.returncode == 1 and "is not a directory" in proc.stderr
+
+
+def test_corrupt_summary_names_the_file(tmp_path):
+    job = _job(tmp_path, "0", raw='{"status": "compl')
+    with pytest.raises(ValueError, match=f"{job / 'summary.json'}: corrupt summary.json"):
+        collect(tmp_path)

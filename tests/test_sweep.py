@@ -1,0 +1,56 @@
+"""Sweep presets and launchers: constant effective batch, and a failing job does not stop
+the others (real submitit_local multirun)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from remat.report import collect
+from tests.helpers import compose_train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("accumulation,batch", [(1, 8), (2, 4), (4, 2)])
+def test_ablation_keeps_the_effective_batch_constant(tmp_path, accumulation, batch):
+    cfg = compose_train(tmp_path, ["+sweep=ablation", f"accumulate_grad_batches={accumulation}"])
+    assert cfg.data.batch_size == batch
+    assert cfg.data.batch_size * cfg.accumulate_grad_batches == cfg.effective_batch_size == 8
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params)
+    assert params == {"strategy": "none,full,sqrtn,selective",
+                      "precision": "32-true,bf16-mixed", "accumulate_grad_batches": "1,2,4"}
+
+
+def test_ablation_rejects_an_accumulation_that_does_not_divide(tmp_path):
+    cfg = compose_train(tmp_path, ["+sweep=ablation", "accumulate_grad_batches=3"])
+    with pytest.raises(Exception, match="effective_batch_size=8 is not divisible by "
+                                        "accumulate_grad_batches=3"):
+        _ = cfg.data.batch_size
+
+
+def test_submitit_local_multirun_with_one_failing_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=submitit_local",
+         "hydra.launcher.timeout_min=10", "accumulate_grad_batches=1,0",
+         "data.image_size=32", "data.num_train=2", "data.num_val=2", "data.batch_size=2",
+         "trainer.max_steps=1", "trainer.max_epochs=1", "trainer.accelerator=cpu",
+         "callbacks=minimal", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    # Hydra runs every job, then reports the failure (non-zero exit)
+    assert proc.returncode != 0
+    assert "accumulate_grad_batches must be an integer >= 1" in proc.stderr + proc.stdout
+    done = json.loads((sweep / "0" / "summary.json").read_text())
+    failed = json.loads((sweep / "1" / "summary.json").read_text())
+    assert done["status"] == "completed" and done["global_step"] == 1
+    assert failed["status"] == "failed" and "got 0" in failed["error"]
+    assert list((sweep / ".submitit").glob("*")), "jobs did not go through submitit"
+    jobs = collect(sweep)
+    assert [(j.job, j.status) for j in jobs] == [("0", "completed"), ("1", "failed")]

@@ -57,3 +57,12 @@ def dubai_root(remat_data_dir: Path) -> Path:
     """The real Dubai aerial copy (``Tile <t>/images/*.jpg``, ``Tile <t>/masks/*.png``)."""
     return _real_copy(remat_data_dir, "Dubai-aerial-semantic-segmentation",
                       *(f"Tile {t}/{kind}" for t in range(1, 9) for kind in ("images", "masks")))
+
+
+@pytest.fixture(scope="session")
+def shakespeare_root(remat_data_dir: Path) -> Path:
+    """The real tiny Shakespeare copy (``tinyshakespeare/input.txt``)."""
+    root = remat_data_dir / "tinyshakespeare"
+    if not (root / "input.txt").is_file():
+        pytest.fail(f"tiny Shakespeare not found: {root / 'input.txt'}")
+    return root

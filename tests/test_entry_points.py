@@ -8,34 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_python
+
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["data.image_size=64", "data.num_train=8", "data.num_val=4", "trainer.accelerator=cpu",
         "callbacks=minimal", "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false"]
 
 
-def _run(args, cwd):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-def test_multirun_over_strategies_writes_one_summary_per_job(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = _run([str(REPO / "train.py"), "-m", "strategy=none,full,sqrtn", "trainer.max_steps=2",
-                 *FAST, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summaries = sorted(sweep.glob("*/summary.json"))
-    assert len(summaries) == 3
-    jobs = [json.loads(p.read_text()) for p in summaries]
-    assert [j["strategy"] for j in jobs] == ["none", "full", "sqrtn"]
-    assert all(j["status"] == "completed" and j["global_step"] == 2 for j in jobs)
-    assert all((p.parent / "checkpoints" / "last.ckpt").is_file() for p in summaries)
-
-
 def test_module_entry_point_is_the_same_app(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run(["-m", "remat.train", "strategy=full", "trainer.max_steps=1", *FAST,
+    proc = run_python(["-m", "remat.train", "strategy=full", "trainer.max_steps=1", *FAST,
                  f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -47,8 +30,8 @@ def test_module_entry_point_is_the_same_app(tmp_path):
     ("accumulate_grad_batches=0", "accumulate_grad_batches must be an integer >= 1"),
 ])
 def test_bad_command_line_fails_with_a_clear_message(tmp_path, override, expected):
-    proc = _run([str(REPO / "train.py"), override, *FAST, f"hydra.run.dir={tmp_path / 'r'}"],
-                cwd=tmp_path)
+    proc = run_python([str(REPO / "train.py"), override, *FAST,
+                       f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
     assert proc.returncode != 0
     assert expected in proc.stderr
 

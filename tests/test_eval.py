@@ -10,15 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-from remat.config import config_dir
 from remat.eval import evaluate
 from remat.train import train
-from tests.helpers import TINY, compose_train
+from tests.helpers import TINY, compose_app, compose_train
 
 REPO = Path(__file__).resolve().parents[1]
 # the synthetic set of tests.helpers.TINY, evaluated on its 4 val images
@@ -27,15 +23,7 @@ DATA = ["data.image_size=64", "data.num_train=8", "data.num_val=4", "data.batch_
 
 def compose_eval(output_dir: Path, overrides: list[str]) -> DictConfig:
     """Compose ``configs/eval.yaml`` as ``python -m remat.eval`` does."""
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
-        cfg = compose("eval", overrides=list(overrides), return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(output_dir)
-        cfg.hydra.runtime.output_dir = str(output_dir)
-        cfg.hydra.job.num = 0
-    HydraConfig().set_config(cfg)
-    return cfg
+    return compose_app("eval", output_dir, overrides)
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,6 @@ TINY_GPT = ["data.block_size=32", "data.batch_size=8", "data.train_windows=16",
 
 
 @pytest.fixture(scope="module")
-def shakespeare_root(remat_data_dir: Path) -> Path:
-    root = remat_data_dir / "tinyshakespeare"
-    if not (root / "input.txt").is_file():
-        pytest.fail(f"tiny Shakespeare not found: {root / 'input.txt'}")
-    return root
-
-
-@pytest.fixture(scope="module")
 def first_run(tmp_path_factory, shakespeare_root) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("shakespeare")
     cfg = compose_train(out, ["experiment=shakespeare_gpt", f"data.root={shakespeare_root}",

@@ -2,14 +2,12 @@
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from remat.report import collect, report
+from tests.helpers import run_python
 
 REPO = Path(__file__).resolve().parents[1]
 # 6 images of 32 px, batch 2: 3 training steps in one epoch, then one validation
@@ -20,18 +18,17 @@ TINY = ["data.image_size=32", "data.num_train=6", "data.num_val=2", "data.batch_
         "model.arch_kwargs.decoder_channels=[16,16,8,8,8]"]
 
 
-def _run(args, cwd):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
-
-
 def test_multirun_then_report_gives_four_rows_and_plots(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = _run([str(REPO / "train.py"), "-m", "strategy=none,sqrtn",
-                 "precision=32-true,bf16-mixed", *TINY, f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = run_python([str(REPO / "train.py"), "-m", "strategy=none,sqrtn",
+                       "precision=32-true,bf16-mixed", *TINY, f"hydra.sweep.dir={sweep}"],
+                      tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = _run(["-m", "remat.report", str(sweep)], tmp_path)
+    summaries = sorted(sweep.glob("*/summary.json"))  # one per job, each with its checkpoint
+    assert len(summaries) == 4
+    assert all(json.loads(p.read_text())["global_step"] == 3 for p in summaries)
+    assert all((p.parent / "checkpoints" / "last.ckpt").is_file() for p in summaries)
+    out = run_python(["-m", "remat.report", str(sweep)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = list(csv.DictReader((sweep / "report.csv").open()))
     assert len(rows) == 4
@@ -88,7 +85,7 @@ def test_failed_and_missing_jobs_are_listed_and_references_shown(tmp_path):
 def test_directory_without_runs_is_an_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match=f"no runs under {tmp_path}"):
         collect(tmp_path)
-    proc = _run(["-m", "remat.report", str(tmp_path / "nope")], tmp_path)
+    proc = run_python(["-m", "remat.report", str(tmp_path / "nope")], tmp_path)
     assert proc.returncode == 1 and "is not a directory" in proc.stderr
 
 

@@ -16,14 +16,6 @@ SHAKESPEARE_BYTES = 1_115_394  # SOURCE.md of the copy
 
 
 @pytest.fixture(scope="module")
-def shakespeare_root(remat_data_dir: Path) -> Path:
-    root = remat_data_dir / "tinyshakespeare"
-    if not (root / "input.txt").is_file():
-        pytest.fail(f"tiny Shakespeare not found: {root / 'input.txt'}")
-    return root
-
-
-@pytest.fixture(scope="module")
 def shakespeare(shakespeare_root: Path) -> CharTextDataModule:
     cfg = OmegaConf.load(CONFIGS / "tinyshakespeare.yaml")
     cfg.root = str(shakespeare_root)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.bench import TorchCheckpointSequential, bench, format_table, run_benchmark
+from remat.bench import TorchCheckpointSequential, _sizes, bench, format_table, run_benchmark
 from remat.models import SegmentationModule, SequenceModule
 from remat.strategies import StageError, build_strategy
 from tests.helpers import compose_config
@@ -88,6 +88,23 @@ def test_timm_reference_row_where_a_timm_model_holds_the_stages(tmp_path):
                      "timm_set_grad_checkpointing"]
     assert all(r["grads_match"] for r in rows)
     assert rows[3]["peak_bytes"] < rows[0]["peak_bytes"]
+
+
+@pytest.mark.parametrize("model,wrong,right", [
+    ("gpt_tiny", "data.image_size=64", "data.block_size"),
+    ("unet_resnet18", "data.block_size=64", "data.image_size"),
+])
+def test_bench_size_key_of_the_other_model_kind_is_an_error(tmp_path, model, wrong, right):
+    cfg = compose_config("bench", tmp_path, [f"model={model}", wrong, "device=cpu"])
+    key = wrong.split("=")[0]
+    with pytest.raises(ValueError, match=rf"bench: {key} does not apply to this .* model "
+                                         rf"\(model._target_=.*\); set {right} instead"):
+        bench(cfg)
+    assert not (tmp_path / "bench.csv").exists()
+
+
+def test_bench_image_size_defaults_to_512_px(tmp_path):
+    assert _sizes(compose_config("bench", tmp_path, [])) == ("data.image_size", [512])
 
 
 def test_bench_sizes_must_be_positive_integers_naming_the_key(tmp_path):

@@ -71,3 +71,14 @@ def test_experiment_pins_kvasir_recipe(tmp_path):
     assert cfg.model.encoder_name == "resnet34"
     assert cfg.data.val_size == 120
     assert Path(cfg.data.root).name == "Kvasir-SEG"
+
+
+@pytest.mark.parametrize("option", _options("experiment"))
+def test_experiment_monitor_is_a_metric_its_model_logs(tmp_path, option):
+    """GPT experiments log val/loss (no Dice): their monitor must say so, or MonitorCheck
+    stops the run at the first validation."""
+    cfg = compose_train(tmp_path, [f"experiment={option}"])
+    sequence = "vocab_size" in cfg.model
+    assert (cfg.monitor, cfg.monitor_mode) == (("val/loss", "min") if sequence
+                                               else (cfg.monitor, "max"))
+    assert sequence or cfg.monitor in ("val/dice", "val/iou", "val/miou")

@@ -1,5 +1,6 @@
 """The FakeTensor estimate agrees with the real MemTracker peak, and says when it cannot."""
 
+import json
 import subprocess
 import sys
 import time
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from remat.estimate import NotTraceable, estimate
-from tests.helpers import compose_config
+from remat.train import train
+from tests.helpers import TINY_TRAINER, compose_app, compose_config
 
 TRACEABLE = ["strategy=none", "strategy=full", "strategy=sqrtn", "strategy=every_k",
              "strategy=selective", "strategy=selective strategy.policy=attention",
@@ -110,7 +112,82 @@ def test_entry_point_prints_the_table_and_refuses_compile(tmp_path):
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "predicted peak of one training step: strategy sqrtn" in ok.stdout
     assert "activations" in ok.stdout and (tmp_path / "a" / "estimate.json").is_file()
+    record = json.loads((tmp_path / "a" / "estimate.json").read_text())
+    assert record["config"]["strategy"]["_target_"] == "remat.strategies.SqrtN"
+    assert record["config"]["data"]["block_size"] == 64
+    # no .hydra/ folder: `remat.report outputs/` must not list the estimate as a missing job
+    assert not (tmp_path / "a" / ".hydra").exists()
     bad = subprocess.run([sys.executable, "-m", "remat.estimate", *GPT, "strategy=compile",
                           f"hydra.run.dir={tmp_path / 'b'}"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "cannot be estimated" in bad.stderr
+
+
+def test_timm_vit_segmenter_is_estimated(tmp_path):
+    # timm's init calls data-dependent ops (trunc_normal_ -> .item()) that FakeTensorMode
+    # refuses; the model is then built on the meta device and turned into fake tensors
+    predicted, measured = _pair(tmp_path, ["model=vit_seg_tiny", "device=cpu",
+                                           "data.image_size=32", "data.batch_size=1"])
+    assert predicted.categories["parameters"] == measured.categories["parameters"] > 20e6
+    assert _within(predicted, measured), (predicted.categories, measured.categories)
+
+
+@pytest.mark.slow
+def test_timm_convnext_unet_is_estimated(tmp_path):
+    predicted, measured = _pair(tmp_path, ["model=unet_convnext", "device=cpu",
+                                           "data.image_size=64", "data.batch_size=1"])
+    assert predicted.categories["parameters"] == measured.categories["parameters"] > 0
+    assert _within(predicted, measured), (predicted.categories, measured.categories)
+
+
+def test_patch_size_datasets_use_the_patch_as_input(tmp_path):
+    base = [*UNET, "data=isbi2012", "data.batch_size=2"]
+    predicted, measured = _pair(tmp_path, [*base, "data.patch_size=[32,64]"])
+    assert predicted.size_key == "data.patch_size" and predicted.size == (32, 64)
+    assert _within(predicted, measured), (predicted.categories, measured.categories)
+    square = estimate(compose_config("estimate", tmp_path, [*base, "data.patch_size=64"]))
+    assert square.size == 64
+    # a 32 x 64 crop holds half the pixels of a 64 x 64 one
+    assert 0.4 < predicted.categories["activations"] / square.categories["activations"] < 0.6
+    with pytest.raises(ValueError, match=r"data.patch_size must be an integer >= 1 or \[h, w\]"):
+        estimate(compose_config("estimate", tmp_path, [*base, "data.patch_size=[32,0]"]))
+
+
+def test_estimate_outputs_go_under_outputs_estimate(tmp_path):
+    cfg = compose_app("estimate", tmp_path)
+    assert str(cfg.hydra.run.dir).startswith("outputs/estimate/"), cfg.hydra.run.dir
+    assert cfg.hydra.output_subdir is None
+
+
+TRAIN_RUNS = {
+    # GPT: after the first step the Adam state and (Lightning zeroes them after the forward)
+    # the last step's gradients are alive during the forward; a one-step trace missed both
+    "gpt": ["experiment=shakespeare_gpt", "data.block_size=32", "data.batch_size=4",
+            "trainer.gradient_clip_val=null"],
+    "gpt_bf16": ["experiment=shakespeare_gpt", "data.block_size=32", "data.batch_size=4",
+                 "strategy=selective", "precision=bf16-mixed"],
+    # a ready `net` (not in the hyperparameters) and a timm encoder
+    "vit": ["experiment=vit_seg_highres", "data.image_size=32", "data.batch_size=1",
+            "strategy=sqrtn"],
+    # random crops: data.patch_size is the input size
+    "isbi": ["experiment=isbi2012_unet", "data.patch_size=32", "data.batch_size=2",
+             "model.arch_kwargs={decoder_channels:[32,16,16,8,8]}"],
+}
+
+
+@pytest.mark.parametrize("run", ["gpt", "gpt_bf16", "vit", "isbi"])
+def test_estimate_at_train_start_is_within_10_percent_of_measured(tmp_path, run, request):
+    roots = {"gpt": "shakespeare_root", "gpt_bf16": "shakespeare_root", "vit": "kvasir_root",
+             "isbi": "isbi_root"}
+    root = request.getfixturevalue(roots[run])
+    cfg = compose_app("train", tmp_path, [
+        *TRAIN_RUNS[run], f"data.root={root}", *TINY_TRAINER, "trainer.max_steps=2",
+        "+trainer.limit_val_batches=0", "callbacks.model_checkpoint=null",
+        "callbacks.run_report.estimate=true"])
+    summary = train(cfg)
+    est, measured = summary["memory_estimate"], summary["peak_memory_bytes"]
+    assert est is not None, summary["memory_estimate_note"]
+    assert measured > 0 and abs(est["peak_bytes"] - measured) <= 0.10 * measured, (
+        est, measured)
+    if run == "isbi":
+        assert est["size_key"] == "data.patch_size" and est["size"] == 32

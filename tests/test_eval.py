@@ -102,15 +102,27 @@ def test_eval_command_line_prints_reference_table(tmp_path, trained):
     ckpt, _ = trained
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     proc = subprocess.run(
-        [sys.executable, "-m", "remat.eval", *DATA, f"ckpt_path={ckpt}", "split=test",
+        [sys.executable, "-m", "remat.eval", *DATA, f"ckpt_path={ckpt}", "split=val",
          f"hydra.run.dir={tmp_path}", "reference=[{metric: val/dice, value: 0.876, "
          "model: U-Net ResNet-34, source: Jha et al. 2021}]"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "metrics.json").read_text())
-    assert result["split"] == "test" and "test/dice" in result["metrics"]
+    assert result["split"] == "val" and "val/dice" in result["metrics"]
     assert "0.8760" in proc.stdout and "Jha et al. 2021" in proc.stdout
-    assert f"{result['metrics']['test/dice']:.4f}" in proc.stdout
+    assert f"{result['metrics']['val/dice']:.4f}" in proc.stdout
+
+
+def test_eval_refuses_a_test_split_the_dataset_does_not_have(tmp_path, trained, isbi_root):
+    ckpt, _ = trained
+    with pytest.raises(ValueError, match=r"split=test: data._target_=remat.data.SyntheticSeg"
+                                         r"DataModule has no labelled test split"):
+        evaluate(compose_eval(tmp_path, [*DATA, f"ckpt_path={ckpt}", "split=test"]))
+    assert not (tmp_path / "metrics.json").exists()
+    isbi = compose_eval(tmp_path, ["data=isbi2012", f"data.root={isbi_root}",
+                                   f"ckpt_path={ckpt}", "split=test"])
+    with pytest.raises(ValueError, match=r"split=test: data._target_=remat.data.ISBI2012"):
+        evaluate(isbi)
 
 
 def test_inria_experiment_scores_fake_tiles_per_city(tmp_path):

@@ -11,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from remat.report import collect
-from tests.helpers import compose_train
+from remat.train import train
+from tests.helpers import TINY_TRAINER, compose_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,18 @@ def test_ablation_rejects_an_accumulation_that_does_not_divide(tmp_path):
     with pytest.raises(Exception, match="effective_batch_size=8 is not divisible by "
                                         "accumulate_grad_batches=3"):
         _ = cfg.data.batch_size
+
+
+def test_ablation_job_whose_batch_does_not_resolve_writes_a_failed_summary(tmp_path):
+    cfg = compose_train(tmp_path, ["+sweep=ablation", "accumulate_grad_batches=3", *TINY_TRAINER])
+    with pytest.raises(Exception, match="effective_batch_size=8 is not divisible"):
+        train(cfg)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["batch_size"] is None
+    assert summary["accumulate_grad_batches"] == 3 and summary["image_size"] == 256
+    assert summary["error"].startswith("data.batch_size: ValueError: effective_batch_size=8 "
+                                       "is not divisible by accumulate_grad_batches=3")
+    assert [(j.job, j.status) for j in collect(tmp_path)] == [(tmp_path.name, "failed")]
 
 
 def test_submitit_local_multirun_with_one_failing_job(tmp_path):

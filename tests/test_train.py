@@ -8,6 +8,7 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
+from remat.models.checks import require_keys
 from remat.strategies import StageError
 from remat.train import train
 from tests.helpers import TINY, TINY_TRAINER, compose_train
@@ -99,6 +100,7 @@ def test_unknown_stage_names_close_matches_and_run_records_failure(tmp_path):
         train(cfg)
     assert isinstance(err.value.__cause__, StageError) or "StageError" in str(err.value)
     assert "encoder.layr1" in str(err.value) and "encoder.layer1" in str(err.value)
+    assert "model.stages=['encoder.layr1']" in str(err.value)  # the config key, not just `model`
     summary = _summary(tmp_path)
     assert summary["status"] == "failed" and "encoder.layr1" in summary["error"]
 
@@ -119,9 +121,83 @@ def test_compile_strategy_trains_and_says_why_memory_was_not_tracked(tmp_path):
 
 
 def test_gpt_model_with_image_data_names_the_mismatch(tmp_path):
-    match = r"needs batches with keys \['tokens'\].*\['image', 'mask'\]"
-    with pytest.raises(KeyError, match=match):
+    match = (r"kinds do not match: model=gpt_tiny is a sequence model but data=synthetic_seg "
+             r"gives segmentation batches; pick data=tinyshakespeare or enwik8")
+    with pytest.raises(ValueError, match=match):
         train(compose_train(tmp_path, [*TINY, "model=gpt_tiny"]))
+    summary = _summary(tmp_path)  # refused before the Trainer was even built
+    assert summary["status"] == "failed" and "global_step" not in summary
+    assert "kinds do not match" in summary["error"]
+    # the batch-level check (any other entry point) gives the text-data hint to a GPT too
+    with pytest.raises(KeyError, match=r"sequence models: data=tinyshakespeare or enwik8"):
+        require_keys({"image": 0, "mask": 0}, ("tokens",), "SequenceModule")
+
+
+def test_unet_with_text_data_names_model_and_data(tmp_path, shakespeare_root):
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, "data=tinyshakespeare",
+                                   f"data.root={shakespeare_root}"])
+    with pytest.raises(ValueError, match=r"kinds do not match: model=unet_resnet18 is a "
+                                         r"segmentation model but data=tinyshakespeare"):
+        train(cfg)
+
+
+def test_binary_model_on_multiclass_data_fails_before_training(tmp_path, dubai_root):
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, "data=dubai_aerial", f"data.root={dubai_root}",
+                                   "data.patch_size=64"])
+    with pytest.raises(ValueError, match=r"model.num_classes=1 but data=dubai_aerial serves 6 "
+                                         r"classes.*set model.num_classes=6"):
+        train(cfg)
+    assert "global_step" not in _summary(tmp_path)  # before the Trainer was built
+
+
+def test_rgb_model_on_grey_images_names_in_channels(tmp_path, isbi_root):
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, "data=isbi2012", f"data.root={isbi_root}",
+                                   "data.image_mode=grey"])
+    with pytest.raises(ValueError, match=r"model.in_channels=3 but data=isbi2012 serves 1 "
+                                         r"image channels"):
+        train(cfg)
+
+
+def test_monitor_key_not_logged_fails_at_the_first_validation(tmp_path):
+    cfg = compose_train(tmp_path, [*TINY, "monitor=val/dcie"])
+    with pytest.raises(ValueError, match=r"monitor=val/dcie is not among.*val/dice.*val/iou"):
+        train(cfg)
+    assert _summary(tmp_path)["global_step"] == 0  # the sanity check caught it
+
+
+def test_monitor_key_checked_without_sanity_check(tmp_path):
+    cfg = compose_train(tmp_path, [*TINY, "monitor=val/dcie", "+trainer.num_sanity_val_steps=0"])
+    with pytest.raises(ValueError, match=r"monitor=val/dcie is not among"):
+        train(cfg)
+    assert _summary(tmp_path)["global_step"] == 2  # after the first epoch's validation
+
+
+def test_non_integer_seed_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"seed must be an integer.*got 'abc'"):
+        train(compose_train(tmp_path, [*TINY, "seed=abc"]))
+
+
+def test_resuming_from_another_models_checkpoint_gives_one_clear_message(tmp_path):
+    other = instantiate(compose_train(tmp_path, TINY).model)  # unet_resnet18
+    with_hparams, weights_only = tmp_path / "r18.ckpt", tmp_path / "r18_weights.ckpt"
+    torch.save({"state_dict": other.state_dict(), "hyper_parameters": dict(other.hparams)},
+               with_hparams)
+    torch.save({"state_dict": other.state_dict()}, weights_only)
+    overrides = [*TINY, "model=unet_resnet34"]
+    with pytest.raises(ValueError, match=r"ckpt_path=.*r18.ckpt was trained with another model"
+                                         r".*model.encoder_name: checkpoint 'resnet18', "
+                                         r"config 'resnet34'"):
+        train(compose_train(tmp_path / "a", [*overrides, f"ckpt_path={with_hparams}"]))
+    with pytest.raises(ValueError, match=r"r18_weights.ckpt does not fit the configured model: "
+                                         r"\d+ missing keys \['net.encoder.layer1.2"):
+        train(compose_train(tmp_path / "b", [*overrides, f"ckpt_path={weights_only}"]))
+
+
+def test_empty_stages_under_a_strategy_warn_that_nothing_is_wrapped(tmp_path):
+    cfg = compose_train(tmp_path, [*TINY, "strategy=sqrtn", "model.stages=[]"])
+    with pytest.warns(UserWarning, match=r"model.stages is empty: strategy \w+ wraps nothing"):
+        model = instantiate(cfg.model, strategy=instantiate(cfg.strategy))
+    assert model.strategy_report.wrapped == []
 
 
 def test_resuming_with_more_epochs_warns_that_the_schedule_has_ended(tmp_path):
@@ -150,10 +226,12 @@ def test_summary_holds_estimate_throughput_and_epoch_peaks(tmp_path):
             "time/step_ms", "time/samples_per_s", "time/pixels_per_s"} <= logged
 
 
-def test_estimate_at_start_gives_a_note_not_a_wrong_number_for_a_ready_net(tmp_path):
-    # the ViT segmenter is passed to SegmentationModule as a ready net: its hyperparameters
-    # alone would rebuild an smp U-Net, so the callback must refuse rather than estimate that
-    summary = train(compose_train(tmp_path, [*TINY, "model=vit_seg_tiny", "trainer.max_steps=1",
+def test_estimate_at_start_traces_a_ready_net(tmp_path):
+    # the ViT segmenter is passed to SegmentationModule as a ready net (not in its
+    # hyperparameters, which alone would rebuild an smp U-Net): the estimate traces a
+    # structural copy of the run's module instead
+    summary = train(compose_train(tmp_path, [*TINY, "model=vit_seg_tiny", "trainer.max_steps=2",
                                              "callbacks.run_report.estimate=true"]))
-    assert summary["status"] == "completed" and summary["memory_estimate"] is None
-    assert "cannot be rebuilt from its hyperparameters" in summary["memory_estimate_note"]
+    est, measured = summary["memory_estimate"], summary["peak_memory_bytes"]
+    assert est is not None, summary["memory_estimate_note"]
+    assert abs(est["peak_bytes"] - measured) <= 0.10 * measured, (est, measured)

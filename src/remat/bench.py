@@ -60,6 +60,8 @@ from remat.strategies.segmented import _patch, unpatch_all
 
 log = logging.getLogger(__name__)
 
+# image side (px) when data.image_size is null (configs/bench.yaml)
+DEFAULT_IMAGE_SIZE = 512
 TIMM_REFERENCE = "timm_set_grad_checkpointing"
 
 
@@ -223,12 +225,22 @@ def format_table(rows: Sequence[BenchRow]) -> str:
 
 def _sizes(cfg: DictConfig) -> tuple[str, list[int]]:
     """The size key and its values: ``data.block_size`` for sequence models (default
-    ``model.block_size``), ``data.image_size`` for image models; one value or a list.
+    ``model.block_size``), ``data.image_size`` for image models (default
+    :data:`DEFAULT_IMAGE_SIZE` px); one value or a list.
 
     Raises:
-        ValueError: a missing size or one that is not an integer >= 1 (names the key).
+        ValueError: a missing size or one that is not an integer >= 1 (names the key); the
+            size key of the other model kind set (``data.image_size`` for a GPT,
+            ``data.block_size`` for an image model), naming both keys.
     """
-    if "block_size" in cfg.model:
+    sequence = "block_size" in cfg.model
+    other, used = (("data.image_size", "data.block_size") if sequence
+                   else ("data.block_size", "data.image_size"))
+    if cfg.data.get(other.split(".")[1]) is not None:
+        kind = "sequence" if sequence else "image"
+        raise ValueError(f"bench: {other} does not apply to this {kind} model "
+                         f"(model._target_={cfg.model.get('_target_')}); set {used} instead")
+    if sequence:
         key, value = "data.block_size", cfg.data.get("block_size")
         if value is None:  # the model config's own fallback, as without a data.block_size
             fallback = cfg.copy()
@@ -237,6 +249,7 @@ def _sizes(cfg: DictConfig) -> tuple[str, list[int]]:
             value = fallback.model.block_size
     else:
         key, value = "data.image_size", cfg.data.get("image_size")
+        value = DEFAULT_IMAGE_SIZE if value is None else value
     values = list(value) if isinstance(value, ListConfig | list | tuple) else [value]
     if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
         shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value

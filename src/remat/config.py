@@ -27,12 +27,17 @@ def config_dir() -> Path:
 
 
 def check_top_level(cfg: DictConfig) -> None:
-    """Validate ``precision`` and ``accumulate_grad_batches`` before anything is built.
+    """Validate ``seed``, ``precision`` and ``accumulate_grad_batches`` before anything is
+    built.
 
     Raises:
-        ValueError: precision not one of :data:`PRECISIONS`; ``accumulate_grad_batches`` not
-            an int >= 1; ``16-mixed`` asked for without a CUDA device.
+        ValueError: ``seed`` not an integer (or null); precision not one of
+            :data:`PRECISIONS`; ``accumulate_grad_batches`` not an int >= 1;
+            ``16-mixed`` asked for without a CUDA device.
     """
+    seed = cfg.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an integer (or null for a random seed), got {seed!r}")
     precision = str(cfg.get("precision"))
     if precision not in PRECISIONS:
         raise ValueError(

@@ -3,8 +3,10 @@
 ``python -m remat.estimate model=unet_resnet34 data.image_size=2048 data.batch_size=8
 strategy=sqrtn precision=bf16-mixed`` builds the configured model, strategy and optimizer
 under torch's ``FakeTensorMode`` (tensors carry shape, dtype and device but no data, so
-nothing is allocated) and runs one training step (forward, loss, backward, optimizer step)
-inside ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which adds up tensor
+nothing is allocated) and runs two training steps in Lightning's order (forward, loss,
+zero_grad, backward, optimizer step; the second step has the optimizer state and the
+previous gradients allocated, the peak of the two is reported) inside ``MemTracker``
+(``torch.distributed._tools.mem_tracker``), which adds up tensor
 storages as they are created and freed and keeps the peak, split into parameters,
 buffers, gradients, optimizer state, activations and temporaries. It takes seconds on a CPU
 for sizes that would need tens of GiB.
@@ -27,6 +29,7 @@ not of what the partitioner keeps); the estimator raises :class:`NotTraceable` i
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import logging
@@ -50,7 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
 
 from remat.config import config_dir
-from remat.measure import format_bytes, step_peak_memory
+from remat.measure import PeakMemory, autocast, format_bytes
 from remat.strategies import CompileBudget
 
 log = logging.getLogger(__name__)
@@ -77,7 +80,7 @@ class Estimate:
     precision: str
     device: str
     batch_size: int
-    size: int
+    size: int | tuple[int, int]
     size_key: str
     peak_bytes: int
     categories: dict[str, int]
@@ -108,22 +111,35 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def check_sizes(batch_size: Any, size: Any, size_key: str, channels: int = 1) -> tuple[int, int]:
+def check_sizes(batch_size: Any, size: Any, size_key: str, channels: int = 1
+                ) -> tuple[int, int | tuple[int, int]]:
     """Validate ``data.batch_size`` and the size key; the input tensor must fit int64.
 
     Args:
-        batch_size, size: the config values; ``size`` is an image side (px) or a sequence
-            length (tokens), named by ``size_key`` (e.g. ``data.image_size``).
-        channels: input channels (images: ``size**2`` pixels each).
+        batch_size, size: the config values; ``size`` is an image side (px), an image size
+            ``[h, w]`` (px; ``data.patch_size`` may be either) or a sequence length (tokens),
+            named by ``size_key`` (e.g. ``data.image_size``).
+        channels: input channels (images: ``h * w`` pixels each).
+
+    Returns:
+        ``(batch_size, size)``, a ``[h, w]`` size as a tuple (a square one as an int).
 
     Raises:
-        ValueError: not an integer >= 1, or the input's element count overflows int64;
-            the message names the key.
+        ValueError: not an integer >= 1 (or a pair of them for image sizes), or the input's
+            element count overflows int64; the message names the key.
     """
+    image = size_key in ("data.image_size", "data.patch_size")
+    if image and isinstance(size, list | tuple) and len(size) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in size):
+        size = size[0] if size[0] == size[1] else (int(size[0]), int(size[1]))
     for key, value in (("data.batch_size", batch_size), (size_key, size)):
+        if isinstance(value, tuple) and key == size_key:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"estimate: {key} must be an integer >= 1, got {value!r}")
-    numel = batch_size * channels * (size * size if size_key == "data.image_size" else size)
+            expected = "an integer >= 1" + (" or [h, w]" if image and key == size_key else "")
+            raise ValueError(f"estimate: {key} must be {expected}, got {value!r}")
+    pixels = (size[0] * size[1] if isinstance(size, tuple) else size * size) if image else size
+    numel = batch_size * channels * pixels
     if numel > INT64_MAX:
         raise ValueError(f"estimate: {size_key}={size} with data.batch_size={batch_size} "
                          f"gives an input of {numel:.3e} elements, more than int64 can index "
@@ -140,29 +156,136 @@ def _optimizer(module: nn.Module) -> torch.optim.Optimizer:
     return configured
 
 
-def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int,
+def _data_dependent(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is FakeTensorMode refusing a
+    data-dependent op (e.g. timm's ``trunc_normal_`` init calling ``.item()``)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if "DataDependentOutput" in type(err).__name__ or "DataDependentOutput" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def meta_clone(module: nn.Module, drop: tuple[Any, ...] = ()) -> nn.Module:
+    """A structural copy of ``module`` (wrappers, strategy, tied weights kept) whose
+    parameters and buffers are on the ``meta`` device, so copying allocates nothing.
+
+    ``drop``: objects referenced by the module that must not be copied (e.g. its Lightning
+    trainer); the copy refers to ``None`` instead. Turn the copy into fake tensors with
+    :func:`materialize` inside ``FakeTensorMode``.
+    """
+    memo: dict[int, Any] = {id(obj): None for obj in drop}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, nn.Parameter) else meta)
+    return copy.deepcopy(module, memo)
+
+
+def materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """Replace every parameter and buffer of ``module`` (e.g. ``meta`` ones) in place by an
+    uninitialised tensor of the same shape and dtype on ``device``; inside
+    ``FakeTensorMode`` these are fake tensors. Shared (tied) tensors stay shared.
+    Returns ``module``."""
+    done: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in done:
+                    new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                    done[id(tensor)] = (nn.Parameter(new, requires_grad=tensor.requires_grad)
+                                        if isinstance(tensor, nn.Parameter) else new)
+                table[name] = done[id(tensor)]
+    return module
+
+
+def _batch(model: nn.Module, batch_size: int, size: int | tuple[int, int],
+           device: torch.device) -> dict[str, torch.Tensor]:
+    """``model.example_batch`` at ``size``; an ``(h, w)`` size crops a square batch of side
+    ``max(h, w)`` to ``[..., h, w]`` (image ``[B, C, h, w]``, mask ``[B, h, w]``)."""
+    if isinstance(size, int):
+        batch = model.example_batch(batch_size, size)
+    else:
+        h, w = size
+        batch = {k: v[..., :h, :w].contiguous() if v.ndim >= 3 else v
+                 for k, v in model.example_batch(batch_size, max(h, w)).items()}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def lightning_step_peak(model: nn.Module, batch: dict[str, torch.Tensor],
+                        optimizer: torch.optim.Optimizer, device: torch.device,
+                        precision: str) -> PeakMemory:
+    """Peak of one training step in the order Lightning's automatic optimization runs it
+    (``lightning.pytorch.loops.optimization.automatic.Closure``): forward and loss under
+    autocast, then ``zero_grad(set_to_none=True)``, ``backward``, ``optimizer.step()``.
+    So the previous step's gradients are still allocated during this step's forward.
+
+    Returns the finished :class:`~remat.measure.PeakMemory` (bytes, split by category).
+    """
+    with PeakMemory(device, modules=[model], optimizers=[optimizer],
+                    tracker="memtracker") as peak:
+        with autocast(device, precision):
+            loss = model.training_loss(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        del loss
+    return peak
+
+
+def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
                device: torch.device, precision: str, fake: bool = True) -> tuple[str, Any]:
-    """Build the model (``build()``, with strategy applied) and run one measured step.
+    """Build the model (``build()``, with strategy applied) and measure two training steps;
+    the larger peak is returned.
+
+    Why two: the first step allocates the optimizer state at its end (after backward has
+    freed the activations), while every later step runs forward and backward with that
+    state, and (Lightning's order, see :func:`lightning_step_peak`) the previous step's
+    gradients, already allocated. Which of the two is higher depends on the model (the
+    tiny GPT of ``experiment=shakespeare_gpt``: the second, by 37%). Training's
+    :class:`~remat.callbacks.PeakMemoryMonitor` measures the first two batches as well.
 
     Under ``fake=True`` everything (parameters, optimizer state, batch) is a fake tensor on
-    ``device``; with ``fake=False`` the same step runs for real (the reference the estimate
-    is tested against). Returns ``(strategy name, PeakMemory)``.
+    ``device``; with ``fake=False`` the same steps run for real (the reference the estimate
+    is tested against). A model whose construction calls data-dependent ops (timm's
+    ``trunc_normal_`` init: ``aten._local_scalar_dense``), which FakeTensorMode refuses, is
+    built on the ``meta`` device instead and turned into fake tensors by :func:`materialize`
+    (same shapes and dtypes; values do not matter to a fake trace).
+    ``size`` is a side (px), a sequence length (tokens) or an ``(h, w)`` image size.
+    Returns ``(strategy name, PeakMemory)``.
     """
-    def run() -> tuple[str, Any]:
+    def run(make: Callable[[], nn.Module]) -> tuple[str, Any]:
         torch.manual_seed(0)
-        model = build().train()
-        batch = {k: v.to(device) for k, v in model.example_batch(batch_size, size).items()}
+        model = make().train()
         optimizer = _optimizer(model)
-        peak = step_peak_memory(model, batch, optimizer, device, precision,
-                                tracker="memtracker")
-        peak.modules, peak.optimizers = [], []  # keep no fake tensor alive past the mode
+        peaks = []
+        for _ in range(2):
+            batch = _batch(model, batch_size, size, device)
+            peaks.append(lightning_step_peak(model, batch, optimizer, device, precision))
+            del batch
+        peak = max(peaks, key=lambda p: p.peak_bytes)
+        for p in peaks:
+            p.modules, p.optimizers = [], []  # keep no fake tensor alive past the mode
         return model.strategy_report.strategy, peak
 
+    def dev() -> Any:
+        return torch.device(device) if device.type != "cpu" else nullcontext()
+
     def traced() -> tuple[str, Any]:
-        with FakeTensorMode() if fake else nullcontext(), (
-                torch.device(device) if device.type != "cpu" else nullcontext()):
-            result = run()
-        return result
+        try:
+            with FakeTensorMode() if fake else nullcontext(), dev():
+                return run(build)
+        except Exception as err:
+            if not (fake and _data_dependent(err)):
+                raise
+        with torch.device("meta"):
+            skeleton = build()
+        with FakeTensorMode(), dev():
+            return run(lambda: materialize(skeleton, device))
 
     return _in_child(traced)
 
@@ -212,16 +335,25 @@ def _in_child(fn: Callable[[], Any]) -> Any:
 
 
 def _model_size(cfg: DictConfig) -> tuple[str, Any]:
-    """The key and value of the input size: ``data.image_size`` for image models,
-    ``data.block_size`` (or ``model.block_size``) for sequence models."""
+    """The key and value of the input size: ``data.image_size`` for image models (or, for
+    datamodules that train on random crops without one, ``data.patch_size``: int or
+    ``[h, w]``), ``data.block_size`` (or ``model.block_size``) for sequence models."""
     if "block_size" in cfg.model:
         if cfg.data.get("block_size") is not None:
             return "data.block_size", cfg.data.block_size
         return "model.block_size", cfg.model.block_size
+    if cfg.data.get("image_size") is None and cfg.data.get("patch_size") is not None:
+        return "data.patch_size", _plain(cfg.data.patch_size)  # random crops are the input
     return "data.image_size", cfg.data.get("image_size")
 
 
-def build_from_config(cfg: DictConfig) -> tuple[Callable[[], nn.Module], str, int, int]:
+def _plain(value: Any) -> Any:
+    """A ListConfig as a list; anything else as it is."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def build_from_config(cfg: DictConfig
+                      ) -> tuple[Callable[[], nn.Module], str, int, int | tuple[int, int]]:
     """Check the config and return ``(build, size_key, batch_size, size)``; ``build()``
     instantiates ``cfg.strategy`` and ``cfg.model`` (scheduler dropped: one step).
 
@@ -238,7 +370,8 @@ def build_from_config(cfg: DictConfig) -> tuple[Callable[[], nn.Module], str, in
     model_cfg = cfg.model.copy()
     with open_dict(model_cfg):
         model_cfg.scheduler = None  # one step; its ${trainer...} interpolations need no trainer
-        if "block_size" in model_cfg and size > int(model_cfg.block_size):
+        if "block_size" in model_cfg and isinstance(size, int) and size > int(
+                model_cfg.block_size):
             model_cfg.block_size = size  # positions must cover the sequence
 
     for group, node in (("strategy", cfg.strategy), ("model", model_cfg)):
@@ -324,12 +457,16 @@ def format_estimate(est: Estimate) -> str:
 
 
 def run(cfg: DictConfig) -> Estimate:
-    """Estimate, print the table and write ``estimate.json`` into ``cfg.paths.output_dir``."""
+    """Estimate, print the table and write ``estimate.json`` (the estimate's fields and the
+    composed ``model``/``data``/``strategy``/``precision``/``device`` config) into
+    ``cfg.paths.output_dir``."""
     est = estimate(cfg)
     print(format_estimate(est))
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record = asdict(est) | {"config": OmegaConf.to_container(cfg.model, resolve=False)}
+    keep = {k: cfg[k] for k in ("model", "data", "strategy", "precision", "device") if k in cfg}
+    record = asdict(est) | {"config": OmegaConf.to_container(OmegaConf.create(keep),
+                                                              resolve=False)}
     (out / "estimate.json").write_text(json.dumps(record, indent=2, default=str))
     return est
 

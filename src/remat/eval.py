@@ -24,13 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from remat.config import config_dir
 from remat.models import SegmentationModule
+from remat.models.checks import check_checkpoint_fits, read_checkpoint
 from remat.models.metrics import SegmentationMetrics
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("val", "test")
-# hyper-parameters whose disagreement makes a checkpoint unusable for a config
-_MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 
 
 def load_checkpoint(model: torch.nn.Module, ckpt_path: str | Path) -> dict[str, Any]:
@@ -44,36 +43,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_path: str | Path) -> dict[str, 
         ValueError: the file is not a Lightning checkpoint, or its hyper-parameters or
             weights do not fit the configured model (the differing keys and shapes listed).
     """
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file (expected a Lightning "
-                                "checkpoint such as <run dir>/checkpoints/last.ckpt)")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # torch raises several types for a corrupt/foreign file
-        raise ValueError(f"ckpt_path={ckpt_path} could not be read as a torch checkpoint: "
-                         f"{err}") from err
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ValueError(f"ckpt_path={ckpt_path} is not a Lightning checkpoint (no "
-                         "'state_dict' entry)")
-    hparams = ckpt.get("hyper_parameters") or {}
-    ours = getattr(model, "hparams", {})
-    differ = [f"{k}: checkpoint {hparams[k]!r}, config {ours[k]!r}" for k in _MODEL_KEYS
-              if k in hparams and k in ours and hparams[k] != ours[k]]
-    if differ:
-        raise ValueError(f"ckpt_path={ckpt_path} was trained with another model than the "
-                         f"config asks for (model.{'; model.'.join(differ)})")
-    state = model.state_dict()
-    missing = sorted(set(state) - set(ckpt["state_dict"]))
-    unexpected = sorted(set(ckpt["state_dict"]) - set(state))
-    shapes = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(state[k].shape)}"
-              for k, v in ckpt["state_dict"].items()
-              if k in state and hasattr(v, "shape") and v.shape != state[k].shape]
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"ckpt_path={ckpt_path} does not fit the configured model: "
-            f"{len(missing)} missing keys {missing[:5]}, {len(unexpected)} unexpected keys "
-            f"{unexpected[:5]}, {len(shapes)} shape mismatches {shapes[:5]}")
+    ckpt = read_checkpoint(ckpt_path)
+    check_checkpoint_fits(model, ckpt, ckpt_path)
     model.load_state_dict(ckpt["state_dict"])
     return ckpt
 
@@ -143,7 +114,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     over the pixels of each group's images, as Inria reports IoU per city.
 
     Raises:
-        ValueError: ``split`` not val/test; a bad or unfitting checkpoint (see
+        ValueError: ``split`` not val/test, or ``test`` on a datamodule without a labelled
+            test split (``test_set`` None after setup); a bad or unfitting checkpoint (see
             :func:`load_checkpoint`); a model that is not a segmentation model; an empty split;
             an image name that ``group_by`` does not match.
         FileNotFoundError: missing checkpoint, or the datamodule's own missing-data errors.
@@ -165,6 +137,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     model.to(device).eval()
     datamodule = instantiate(cfg.data)
     datamodule.setup("validate" if split == "val" else "test")
+    if split == "test" and getattr(datamodule, "test_set", None) is None:
+        raise ValueError(
+            f"split=test: data._target_={cfg.data.get('_target_')} has no labelled test split "
+            "here (its test loader would score the val images again); use split=val, or "
+            "configure a labelled test split of the dataset (e.g. data.test_tiles)")
     loader = datamodule.val_dataloader() if split == "val" else datamodule.test_dataloader()
     metrics = model.metrics[split]
     metrics.reset()

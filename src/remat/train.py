@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import traceback
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,12 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from remat.callbacks import PeakMemoryMonitor, RunReport, StepTimeMonitor
 from remat.config import check_top_level, config_dir
 from remat.measure import device_name
+from remat.models.checks import check_checkpoint_fits, check_model_fits_data, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -45,29 +48,89 @@ def _to_number(value: Any) -> float | None:
     return None
 
 
-def _strategy_choice(cfg: DictConfig) -> str | None:
-    """The strategy named on the command line / in the defaults, for runs that failed early."""
+def _safe_get(node: Any, key: str) -> Any:
+    """``node.get(key)``, or None when the value cannot be resolved (e.g. a failing
+    interpolation such as ``${remat.batch_for:...}``), so a failed run still gets a summary."""
+    try:
+        return node.get(key) if node is not None else None
+    except Exception:  # omegaconf raises several types for a failing interpolation/resolver
+        return None
+
+
+def _choice(group: str) -> str | None:
+    """The config group option chosen (``model=gpt_tiny`` -> ``gpt_tiny``), if under Hydra."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        return HydraConfig.get().runtime.choices.get("strategy")
+        return HydraConfig.get().runtime.choices.get(group)
     except ValueError:  # no Hydra app around this call
-        target = cfg.get("strategy", {}).get("_target_") if cfg.get("strategy") else None
-        return target.rsplit(".", 1)[-1] if target else None
+        return None
+
+
+def _strategy_choice(cfg: DictConfig) -> str | None:
+    """The strategy named on the command line / in the defaults, for runs that failed early."""
+    choice = _choice("strategy")
+    if choice is not None:
+        return choice
+    strategy = _safe_get(cfg, "strategy")
+    target = _safe_get(strategy, "_target_") if strategy else None
+    return target.rsplit(".", 1)[-1] if isinstance(target, str) else None
+
+
+def _error_text(err: BaseException) -> str:
+    """One-line-first error text for ``summary.json``; a failing interpolation gives its key
+    and the resolver's own error (``data.batch_size: ValueError: ...``), not omegaconf's
+    wrapper."""
+    text = "".join(traceback.format_exception_only(err)).strip()
+    if isinstance(err, InterpolationResolutionError):
+        msg = str(getattr(err, "msg", "") or "")
+        match = re.match(r"(\w+) raised while resolving interpolation: (.*)", msg, re.S)
+        if match:
+            key = getattr(err, "full_key", None)
+            cause = f"{match.group(1)}: {match.group(2)}"
+            text = f"{key}: {cause}" if key else cause
+    return text
+
+
+class MonitorCheck(L.Callback):
+    """Raise after the first validation (the sanity check included) when a checkpoint
+    callback's ``monitor`` key was not logged, instead of Lightning's error after an epoch.
+
+    Raises:
+        ValueError: names ``monitor`` and lists the logged ``val/`` keys.
+    """
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.done:
+            return
+        self.done = True
+        logged = set(trainer.callback_metrics)
+        for cb in trainer.checkpoint_callbacks:
+            key = getattr(cb, "monitor", None)
+            if key and key not in logged:
+                available = sorted(k for k in logged if k.startswith("val/"))
+                raise ValueError(
+                    f"monitor={key} is not among the metrics this model logs in validation; "
+                    f"available val/ keys: {', '.join(available) or 'none'} (set monitor= and "
+                    "monitor_mode= to one of them, e.g. monitor=val/loss monitor_mode=min)")
 
 
 def _throughput(cfg: DictConfig, median_ms: float | None) -> dict[str, float | None]:
     """Training throughput from the median step time: samples/s, and pixels/s (images,
     ``data.image_size`` squared per sample) or tokens/s (``data.block_size`` per sample)."""
-    batch = cfg.data.get("batch_size")
+    batch = _safe_get(cfg.data, "batch_size")
     if not median_ms or not isinstance(batch, int):
         return {"samples_per_s": None}
     samples = batch * 1000.0 / median_ms
     out: dict[str, float | None] = {"samples_per_s": samples}
-    if isinstance(cfg.data.get("image_size"), int):
-        out["pixels_per_s"] = samples * cfg.data.image_size ** 2
-    if isinstance(cfg.data.get("block_size"), int):
-        out["tokens_per_s"] = samples * cfg.data.block_size
+    image_size, block_size = _safe_get(cfg.data, "image_size"), _safe_get(cfg.data, "block_size")
+    if isinstance(image_size, int):
+        out["pixels_per_s"] = samples * image_size ** 2
+    if isinstance(block_size, int):
+        out["tokens_per_s"] = samples * block_size
     return out
 
 
@@ -79,18 +142,20 @@ def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
     ``peak_memory_per_epoch_bytes``, ``memory_estimate`` from :class:`RunReport`), time in
     milliseconds (``median_step_ms``), throughput per second of training batches
     (``samples_per_s``, ``pixels_per_s`` or ``tokens_per_s``, from the median step time).
+    Keys whose config value cannot be resolved (a failing interpolation) are None.
     """
+    data = _safe_get(cfg, "data")
     summary: dict[str, Any] = {
         "status": status,
-        "task_name": cfg.get("task_name"),
+        "task_name": _safe_get(cfg, "task_name"),
         "strategy": getattr(getattr(model, "strategy_report", None), "strategy", None)
         or _strategy_choice(cfg),
-        "precision": str(cfg.get("precision")),
-        "accumulate_grad_batches": cfg.get("accumulate_grad_batches"),
-        "batch_size": cfg.data.get("batch_size"),
-        "image_size": cfg.data.get("image_size"),
-        "block_size": cfg.data.get("block_size"),
-        "seed": cfg.get("seed"),
+        "precision": str(_safe_get(cfg, "precision")),
+        "accumulate_grad_batches": _safe_get(cfg, "accumulate_grad_batches"),
+        "batch_size": _safe_get(data, "batch_size"),
+        "image_size": _safe_get(data, "image_size"),
+        "block_size": _safe_get(data, "block_size"),
+        "seed": _safe_get(cfg, "seed"),
         "torch_version": torch.__version__,
         "lightning_version": L.__version__,
     }
@@ -135,8 +200,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     A run that raises still writes ``summary.json`` with ``status: failed`` and the error.
 
     Raises:
-        ValueError: bad top-level keys (``precision``, ``accumulate_grad_batches``) or any
-            error of the data, model or strategy configs, naming the key.
+        ValueError: bad top-level keys (``seed``, ``precision``, ``accumulate_grad_batches``),
+            a model that does not fit the data (kinds, ``num_classes``, ``in_channels``), a
+            ``ckpt_path`` of another model, a ``monitor`` key not logged in validation (after
+            the first validation), or any error of the data, model or strategy configs.
     """
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,13 +215,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         datamodule = instantiate(cfg.data)
         strategy = instantiate(cfg.strategy)
         model = instantiate(cfg.model, strategy=strategy)
-        trainer = instantiate(cfg.trainer, callbacks=_instantiate_group(cfg.get("callbacks"),
-                                                                        "callbacks"),
+        check_model_fits_data(model, datamodule, _choice("model"), _choice("data"))
+        ckpt_path = cfg.get("ckpt_path")
+        if ckpt_path and str(ckpt_path) not in ("last", "best", "hpc", "registry"):
+            check_checkpoint_fits(model, read_checkpoint(ckpt_path), ckpt_path)
+        callbacks = [*_instantiate_group(cfg.get("callbacks"), "callbacks"), MonitorCheck()]
+        trainer = instantiate(cfg.trainer, callbacks=callbacks,
                               logger=_instantiate_group(cfg.get("logger"), "logger") or False)
-        trainer.fit(model=model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
     except BaseException as err:
-        summary = build_summary(cfg, trainer, model, "failed",
-                                "".join(traceback.format_exception_only(err)).strip())
+        summary = build_summary(cfg, trainer, model, "failed", _error_text(err))
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         raise
     summary = build_summary(cfg, trainer, model, "completed")

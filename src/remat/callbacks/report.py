@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import asdict
 from typing import Any
@@ -15,13 +14,22 @@ from remat.measure import format_bytes
 log = logging.getLogger(__name__)
 
 
-def _batch_shape(trainer: L.Trainer) -> tuple[int, int] | None:
+def _batch_shape(trainer: L.Trainer) -> tuple[int, int | tuple[int, int], str] | None:
+    """``(batch_size, size, size key)`` of the training batches: ``image_size`` (px),
+    else ``patch_size`` (random crops; int or ``[h, w]`` px), else ``block_size`` (tokens);
+    None when the datamodule has none of them as integers."""
     dm = trainer.datamodule
     batch = getattr(dm, "batch_size", None)
-    size = getattr(dm, "image_size", None) or getattr(dm, "block_size", None)
-    if isinstance(size, list | tuple):
-        size = size[0]
-    return (batch, size) if isinstance(batch, int) and isinstance(size, int) else None
+    for key in ("image_size", "patch_size", "block_size"):
+        size = getattr(dm, key, None)
+        if isinstance(size, list | tuple) and len(size) == 2 and all(
+                isinstance(v, int) for v in size):
+            size = size[0] if size[0] == size[1] else (int(size[0]), int(size[1]))
+        if isinstance(size, int) or isinstance(size, tuple):
+            break
+    else:
+        return None
+    return (batch, size, f"data.{key}") if isinstance(batch, int) else None
 
 
 class RunReport(L.Callback):
@@ -29,10 +37,14 @@ class RunReport(L.Callback):
     are cut) and, with ``estimate=True``, the peak memory of one training step predicted by
     :mod:`remat.estimate` (FakeTensorMode + MemTracker, no allocation; a few seconds).
 
-    The model is rebuilt from its class and saved hyperparameters with a copy of its
-    strategy and optimizer factory; models that cannot be rebuilt that way (a ready ``net``
-    passed in) or strategies that cannot be traced (``compile``) get a note instead of a
-    number. Kept for ``summary.json``: ``strategy_report`` (dict), ``estimate`` (dict of
+    The estimate traces a structural copy of the run's own module (``meta`` tensors turned
+    into fake ones: same network, also a ready ``net``, strategy wrappers, optimizer factory,
+    vocabulary) at the datamodule's batch size and ``image_size``/``patch_size``/
+    ``block_size``, with the run's precision, over two steps (the second has the optimizer
+    state allocated, see :func:`remat.estimate.trace_step`). Strategies that cannot be
+    traced (``compile``) get a note instead of a number. Not modelled: gradient clipping's
+    temporaries (per-parameter norms, small) and gradient accumulation.
+    Kept for ``summary.json``: ``strategy_report`` (dict), ``estimate`` (dict of
     :class:`remat.estimate.Estimate` fields, bytes) or ``estimate_note``.
     """
 
@@ -63,31 +75,26 @@ class RunReport(L.Callback):
 
     def _estimate(self, trainer: L.Trainer, pl_module: L.LightningModule
                   ) -> tuple[dict[str, Any] | None, str | None]:
-        from remat.estimate import Estimate, NotTraceable, trace_step
+        from remat.estimate import Estimate, NotTraceable, materialize, meta_clone, trace_step
         from remat.strategies import CompileBudget
 
         shape = _batch_shape(trainer)
         if shape is None:
-            return None, "the datamodule has no integer batch_size and image_size/block_size"
+            return None, ("the datamodule has no integer batch_size and image_size, "
+                          "patch_size or block_size")
         if isinstance(pl_module.strategy, CompileBudget):
             return None, "strategy compile cannot be traced under FakeTensorMode"
-        cls, hparams = type(pl_module), dict(pl_module.hparams)
-        strategy = copy.deepcopy(pl_module.strategy)
-        optimizer = getattr(pl_module, "optimizer_factory", None)
-
-        net_type = type(getattr(pl_module, "net", None))
+        # The run's own module, copied with meta tensors: same network (also a ready `net`
+        # that is not in the hyperparameters), strategy wrappers, vocabulary, tied weights.
+        try:
+            skeleton = meta_clone(pl_module, drop=(trainer,))
+        except Exception as err:  # noqa: BLE001 - reported as a note, never raised
+            return None, (f"{type(pl_module).__name__} could not be copied for the estimate "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:300]})")
+        skeleton.scheduler_factory = None  # one step; the scheduler needs the trainer
 
         def build() -> torch.nn.Module:
-            try:
-                module = cls(**hparams, strategy=copy.deepcopy(strategy), optimizer=optimizer)
-            except Exception as err:  # noqa: BLE001 - reported as a note, never raised
-                raise TypeError(f"{cls.__name__} cannot be rebuilt from its hyperparameters "
-                                f"({type(err).__name__}: {err})") from err
-            if type(getattr(module, "net", None)) is not net_type:  # e.g. a ready net passed in
-                raise TypeError(f"{cls.__name__} cannot be rebuilt from its hyperparameters "
-                                f"(got a {type(module.net).__name__}, the run has a "
-                                f"{net_type.__name__})")
-            return module
+            return materialize(skeleton, pl_module.device)
 
         precision = str(trainer.precision)
         try:
@@ -96,10 +103,8 @@ class RunReport(L.Callback):
                                     else "32-true")
         except (NotTraceable, RuntimeError, TypeError, ValueError) as err:
             return None, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-        key = "data.image_size" if getattr(trainer.datamodule, "image_size", None) else (
-            "data.block_size")
         est = Estimate(strategy=name, precision=precision, device=pl_module.device.type,
-                       batch_size=shape[0], size=shape[1], size_key=key,
+                       batch_size=shape[0], size=shape[1], size_key=shape[2],
                        peak_bytes=int(peak.peak_bytes), categories=peak.categories,
                        seconds=0.0)
         return asdict(est), None

@@ -7,9 +7,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from remat.strategies import CheckpointStrategy, NoCheckpoint, StrategyReport
+from remat.strategies import (
+    CheckpointStrategy,
+    NoCheckpoint,
+    StageError,
+    StrategyReport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +33,23 @@ class StrategyModule(L.LightningModule):
                  strategy: CheckpointStrategy | None) -> None:
         """Keep ``net`` and apply ``strategy`` (default ``none``) to its ``stages``.
 
+        Warns (``UserWarning``) when ``stages`` is empty under a strategy other than ``none``:
+        nothing is wrapped, so the run measures no checkpointing.
+
         Raises:
-            remat.strategies.StageError: a stage matches no module (close names listed).
+            remat.strategies.StageError: a stage matches no module (close names listed);
+                the message names the ``model.stages`` config key.
         """
         self.net = net
         self.strategy = strategy if strategy is not None else NoCheckpoint()
-        self.strategy_report: StrategyReport = self.strategy.apply(self.net, list(stages))
+        if not list(stages) and not isinstance(self.strategy, NoCheckpoint):
+            rank_zero_warn(f"model.stages is empty: strategy {type(self.strategy).__name__} "
+                           "wraps nothing, so this run checkpoints no activations; list the "
+                           "stages to wrap (e.g. model.stages=[encoder.layer*])")
+        try:
+            self.strategy_report: StrategyReport = self.strategy.apply(self.net, list(stages))
+        except StageError as err:
+            raise StageError(f"model.stages={list(stages)}: {err}") from err
         log.info("strategy %s wrapped %d modules in %s: %s", self.strategy_report.strategy,
                  len(self.strategy_report.wrapped), ", ".join(self.strategy_report.stages),
                  self.strategy_report.segments)

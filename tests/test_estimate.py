@@ -191,3 +191,21 @@ def test_estimate_at_train_start_is_within_10_percent_of_measured(tmp_path, run,
         est, measured)
     if run == "isbi":
         assert est["size_key"] == "data.patch_size" and est["size"] == 32
+
+
+def test_in_process_trace_leaves_the_callers_random_state_alone(monkeypatch):
+    """Where the trace cannot fork (CUDA initialised, no os.fork) it runs in the training
+    process, whose seed must survive it."""
+    import os
+
+    from remat.estimate import trace_step
+    from remat.models import SequenceModule
+
+    monkeypatch.delattr(os, "fork")
+    torch.manual_seed(1234)
+    state = torch.random.get_rng_state()
+    name, peak = trace_step(lambda: SequenceModule(vocab_size=32, block_size=16, n_layer=1,
+                                                   n_head=2, n_embd=16),
+                            2, 16, torch.device("cpu"), "32-true")
+    assert name == "none" and peak.peak_bytes > 0
+    assert torch.equal(torch.random.get_rng_state(), state)

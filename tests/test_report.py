@@ -93,3 +93,13 @@ def test_corrupt_summary_names_the_file(tmp_path):
     job = _job(tmp_path, "0", raw='{"status": "compl')
     with pytest.raises(ValueError, match=f"{job / 'summary.json'}: corrupt summary.json"):
         collect(tmp_path)
+
+
+def test_job_folders_with_digit_and_word_names_sort_without_error(tmp_path):
+    # Hydra's numbered jobs next to a logger's named folder holding a config.yaml
+    _job(tmp_path, "0", summary=DONE)
+    _job(tmp_path, "wandb", config="precision: 32-true\n")
+    _job(tmp_path, "1", summary=DONE)
+    jobs = collect(tmp_path)
+    assert [j.job for j in jobs if j.status == "completed"] == ["0", "1"]
+    assert [j.job for j in jobs if j.status == "missing"] == ["wandb"]

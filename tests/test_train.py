@@ -172,6 +172,12 @@ def test_monitor_key_checked_without_sanity_check(tmp_path):
     assert _summary(tmp_path)["global_step"] == 2  # after the first epoch's validation
 
 
+def test_a_training_metric_is_a_valid_monitor(tmp_path):
+    # train/ keys do not exist yet at the sanity check; only val/ keys are checked there
+    train(compose_train(tmp_path, [*TINY, "monitor=train/loss_epoch", "monitor_mode=min"]))
+    assert _summary(tmp_path)["status"] == "completed"
+
+
 def test_non_integer_seed_names_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"seed must be an integer.*got 'abc'"):
         train(compose_train(tmp_path, [*TINY, "seed=abc"]))

@@ -259,7 +259,12 @@ def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tupl
     Returns ``(strategy name, PeakMemory)``.
     """
     def run(make: Callable[[], nn.Module]) -> tuple[str, Any]:
-        torch.manual_seed(0)
+        # forked RNG: on CUDA the trace runs in the training process, whose seed must hold
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return run_seeded(make)
+
+    def run_seeded(make: Callable[[], nn.Module]) -> tuple[str, Any]:
         model = make().train()
         optimizer = _optimizer(model)
         peaks = []
@@ -299,28 +304,32 @@ def _in_child(fn: Callable[[], Any]) -> Any:
     garbage collection (seen with U-Nets after a few traces). Each trace therefore runs in
     a child with the cyclic garbage collector off, which leaves by ``os._exit`` without
     collecting; the caller's heap never holds a fake tensor. Where ``os.fork`` does not
-    exist, or CUDA is initialised (a forked child cannot use it), ``fn`` runs here. Where
-    ``os.fork`` does not exist (Windows), ``fn`` runs in this process.
+    exist (Windows), or CUDA is initialised (a forked child cannot use it), ``fn`` runs in
+    this process.
     """
     if not hasattr(os, "fork") or torch.cuda.is_initialized():
         return fn()  # no fork, or CUDA already up (a forked child could not use it)
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: compute, send, leave without running any cleanup
-        os.close(read_fd)
+        code = 1
         try:
-            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
-            gc.disable()  # the crash above comes from a collection; the child ends with _exit
-            payload = (True, fn())
-        except BaseException as err:  # noqa: BLE001 - everything goes back to the parent
+            os.close(read_fd)
             try:
-                pickle.dumps(err)
-                payload = (False, err)
-            except Exception:  # noqa: BLE001
-                payload = (False, RuntimeError(f"{type(err).__name__}: {err}"))
-        with os.fdopen(write_fd, "wb") as pipe:
-            pickle.dump(payload, pipe)
-        os._exit(0)
+                torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+                gc.disable()  # the crash above comes from a collection; the child _exits
+                payload = (True, fn())
+            except BaseException as err:  # noqa: BLE001 - everything goes to the parent
+                try:
+                    pickle.dumps(err)
+                    payload = (False, err)
+                except Exception:  # noqa: BLE001
+                    payload = (False, RuntimeError(f"{type(err).__name__}: {err}"))
+            with os.fdopen(write_fd, "wb") as pipe:
+                pickle.dump(payload, pipe)
+            code = 0
+        finally:  # never return into the parent's stack (a second training process)
+            os._exit(code)
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as pipe:
         data = pipe.read()

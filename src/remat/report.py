@@ -59,7 +59,7 @@ def _job_dirs(root: Path) -> list[Path]:
             if ".hydra" in path.parent.parts:
                 continue
             found.add(path.parent)
-    return sorted(found, key=lambda p: [int(s) if s.isdigit() else s
+    return sorted(found, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s)
                                         for s in p.relative_to(root).parts])
 
 

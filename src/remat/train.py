@@ -110,7 +110,8 @@ class MonitorCheck(L.Callback):
         logged = set(trainer.callback_metrics)
         for cb in trainer.checkpoint_callbacks:
             key = getattr(cb, "monitor", None)
-            if key and key not in logged:
+            # only validation keys exist this early (train/... appear after an epoch)
+            if key and key.startswith("val/") and key not in logged:
                 available = sorted(k for k in logged if k.startswith("val/"))
                 raise ValueError(
                     f"monitor={key} is not among the metrics this model logs in validation; "

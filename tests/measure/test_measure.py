@@ -77,3 +77,15 @@ def test_unknown_precision_and_tracker_are_refused():
         training_step(Tiny(), {"x": torch.randn(2, 256)}, None, "cpu", "fp8")
     with pytest.raises(ValueError, match="tracker must be 'auto' or 'memtracker'"):
         PeakMemory("cpu", tracker="nvml")
+
+
+def test_memory_monitor_keeps_its_record_across_a_resume():
+    from remat.callbacks import PeakMemoryMonitor
+
+    before = PeakMemoryMonitor()
+    before.peak_bytes, before.tracked, before.reserved_bytes = 300, 2, 512
+    before.step_peaks, before.epoch_peaks = [200, 300], [300]
+    after = PeakMemoryMonitor()
+    after.load_state_dict(before.state_dict())
+    assert (after.peak_bytes, after.tracked, after.reserved_bytes) == (300, 2, 512)
+    assert after.step_peaks == [200, 300] and after.epoch_peaks == [300]

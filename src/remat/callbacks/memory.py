@@ -106,8 +106,13 @@ class PeakMemoryMonitor(L.Callback):
             self._current = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "tracked": self.tracked}
+        return {"peak_bytes": self.peak_bytes, "tracked": self.tracked,
+                "reserved_bytes": self.reserved_bytes, "step_peaks": list(self.step_peaks),
+                "epoch_peaks": list(self.epoch_peaks)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.peak_bytes = state_dict.get("peak_bytes")
         self.tracked = state_dict.get("tracked", 0)
+        self.reserved_bytes = state_dict.get("reserved_bytes")
+        self.step_peaks = list(state_dict.get("step_peaks", []))
+        self.epoch_peaks = list(state_dict.get("epoch_peaks", []))

@@ -75,7 +75,7 @@ class RunReport(L.Callback):
 
     def _estimate(self, trainer: L.Trainer, pl_module: L.LightningModule
                   ) -> tuple[dict[str, Any] | None, str | None]:
-        from remat.estimate import Estimate, NotTraceable, materialize, meta_clone, trace_step
+        from remat.estimate import Estimate, materialize, meta_clone, trace_step
         from remat.strategies import CompileBudget
 
         shape = _batch_shape(trainer)
@@ -97,11 +97,12 @@ class RunReport(L.Callback):
             return materialize(skeleton, pl_module.device)
 
         precision = str(trainer.precision)
+        if precision not in ("32-true", "32", "bf16-mixed", "16-mixed"):
+            return None, f"precision {precision} is not traced by the estimator"
         try:
             name, peak = trace_step(build, shape[0], shape[1], pl_module.device,
-                                    precision if precision in ("bf16-mixed", "16-mixed")
-                                    else "32-true")
-        except (NotTraceable, RuntimeError, TypeError, ValueError) as err:
+                                    precision if precision != "32" else "32-true")
+        except Exception as err:  # noqa: BLE001 - reported as a note, never raised
             return None, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         est = Estimate(strategy=name, precision=precision, device=pl_module.device.type,
                        batch_size=shape[0], size=shape[1], size_key=shape[2],

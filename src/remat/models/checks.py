@@ -54,11 +54,17 @@ def warn_if_schedule_ends_early(trainer: L.Trainer) -> None:
             )
 
 
+def _has_attribute(cls: type, obj: Any, name: str) -> bool:
+    """Whether ``obj`` exposes ``name``, without evaluating a property (a text datamodule's
+    ``vocab_size`` is only known after ``setup``)."""
+    return hasattr(cls, name) or name in getattr(obj, "__dict__", {})
+
+
 def _kind(obj: Any) -> str | None:
     """``"sequence"`` (token ids, ``vocab_size``), ``"segmentation"`` (``num_classes``)."""
     hparams = getattr(obj, "hparams", None)
     names = set(hparams) if isinstance(obj, L.LightningModule) and hparams is not None \
-        else {n for n in ("vocab_size", "num_classes") if hasattr(obj, n)}
+        else {n for n in ("vocab_size", "num_classes") if _has_attribute(type(obj), obj, n)}
     if "vocab_size" in names:
         return "sequence"
     if "num_classes" in names:

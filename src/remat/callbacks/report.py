@@ -45,7 +45,7 @@ class RunReport(L.Callback):
     traced (``compile``) get a note instead of a number. Not modelled: gradient clipping's
     temporaries (per-parameter norms, small) and gradient accumulation.
     Kept for ``summary.json``: ``strategy_report`` (dict), ``estimate`` (dict of
-    :class:`remat.estimate.Estimate` fields, bytes) or ``estimate_note``.
+    :class:`remat.measure.trace.Estimate` fields, bytes) or ``estimate_note``.
     """
 
     def __init__(self, estimate: bool = True) -> None:
@@ -75,7 +75,7 @@ class RunReport(L.Callback):
 
     def _estimate(self, trainer: L.Trainer, pl_module: L.LightningModule
                   ) -> tuple[dict[str, Any] | None, str | None]:
-        from remat.estimate import Estimate, materialize, meta_clone, trace_step
+        from remat.measure.trace import Estimate, materialize, meta_clone, trace_step
         from remat.strategies import CompileBudget
 
         shape = _batch_shape(trainer)

@@ -28,32 +28,42 @@ def autocast(device: torch.device | str, precision: str):
 
 def training_step(model: nn.Module, batch: dict[str, torch.Tensor],
                   optimizer: torch.optim.Optimizer | None, device: torch.device | str,
-                  precision: str = "32-true") -> torch.Tensor:
+                  precision: str = "32-true", zero_grad_first: bool = False) -> torch.Tensor:
     """Forward and loss (``model.training_loss(batch)``) under autocast, ``backward``, then
     ``optimizer.step()`` and ``zero_grad(set_to_none=True)`` if an optimizer is given.
 
-    The optimizer step runs after backward, not as a closure, so MemTracker files every
-    tensor under the right category. Returns the (detached) loss.
+    ``zero_grad_first=True`` runs Lightning's automatic-optimization order instead
+    (``lightning.pytorch.loops.optimization.automatic.Closure``): forward and loss, then
+    ``zero_grad``, ``backward``, ``step``, so the previous step's gradients are still
+    allocated during this step's forward. The optimizer step runs after backward, not as a
+    closure, so MemTracker files every tensor under the right category. Returns the
+    (detached) loss.
     """
     with autocast(device, precision):
         loss = model.training_loss(batch)
+    if optimizer is not None and zero_grad_first:
+        optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if optimizer is not None:
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not zero_grad_first:
+            optimizer.zero_grad(set_to_none=True)
     return loss.detach()
 
 
 def step_peak_memory(model: nn.Module, batch: dict[str, torch.Tensor],
                      optimizer: torch.optim.Optimizer | None, device: torch.device | str,
-                     precision: str = "32-true", tracker: str = "auto") -> PeakMemory:
+                     precision: str = "32-true", tracker: str = "auto",
+                     zero_grad_first: bool = False) -> PeakMemory:
     """Peak memory of one :func:`training_step`, split by category where MemTracker runs.
 
     The first optimizer step allocates the optimizer state (Adam: two tensors per
-    parameter), so a first step is the most expensive one and the one to measure.
+    parameter) after backward has freed the activations; later steps run forward and
+    backward with that state (and, in Lightning's order, the previous gradients) alive, so
+    either can be the higher one (:func:`remat.measure.trace.trace_step` measures two).
     Returns the finished :class:`PeakMemory` (``peak_bytes``, ``categories``).
     """
     optimizers = [optimizer] if optimizer is not None else []
     with PeakMemory(device, modules=[model], optimizers=optimizers, tracker=tracker) as peak:
-        training_step(model, batch, optimizer, device, precision)
+        training_step(model, batch, optimizer, device, precision, zero_grad_first)
     return peak

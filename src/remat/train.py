@@ -119,22 +119,6 @@ class MonitorCheck(L.Callback):
                     "monitor_mode= to one of them, e.g. monitor=val/loss monitor_mode=min)")
 
 
-def _throughput(cfg: DictConfig, median_ms: float | None) -> dict[str, float | None]:
-    """Training throughput from the median step time: samples/s, and pixels/s (images,
-    ``data.image_size`` squared per sample) or tokens/s (``data.block_size`` per sample)."""
-    batch = _safe_get(cfg.data, "batch_size")
-    if not median_ms or not isinstance(batch, int):
-        return {"samples_per_s": None}
-    samples = batch * 1000.0 / median_ms
-    out: dict[str, float | None] = {"samples_per_s": samples}
-    image_size, block_size = _safe_get(cfg.data, "image_size"), _safe_get(cfg.data, "block_size")
-    if isinstance(image_size, int):
-        out["pixels_per_s"] = samples * image_size ** 2
-    if isinstance(block_size, int):
-        out["tokens_per_s"] = samples * block_size
-    return out
-
-
 def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
                   status: str, error: str | None = None) -> dict[str, Any]:
     """The content of ``summary.json``: what ran, what it reached, what it cost.
@@ -142,7 +126,8 @@ def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
     Memory in bytes (``peak_memory_bytes``, ``peak_memory_reserved_bytes`` on CUDA,
     ``peak_memory_per_epoch_bytes``, ``memory_estimate`` from :class:`RunReport`), time in
     milliseconds (``median_step_ms``), throughput per second of training batches
-    (``samples_per_s``, ``pixels_per_s`` or ``tokens_per_s``, from the median step time).
+    (``samples_per_s``, ``pixels_per_s`` or ``tokens_per_s``: counted in the timed batches,
+    per median step time).
     Keys whose config value cannot be resolved (a failing interpolation) are None.
     """
     data = _safe_get(cfg, "data")
@@ -183,7 +168,7 @@ def build_summary(cfg: DictConfig, trainer: L.Trainer | None, model: Any,
         "memory_estimate_note": getattr(report_cb, "estimate_note", None),
         "peak_memory_note": memory.skipped_reason if memory else "no PeakMemoryMonitor callback",
         "median_step_ms": timing.median_ms if timing else None,
-        **_throughput(cfg, timing.median_ms if timing else None),
+        **(timing.throughput() if timing else {"samples_per_s": None}),
         "timed_steps": len(timing.timer.times_ms) if timing and timing.timer else 0,
         "best_model_path": getattr(ckpt, "best_model_path", None) or None,
         "best_model_score": _to_number(getattr(ckpt, "best_model_score", None)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import lightning as L
@@ -20,17 +21,27 @@ class StepTimeMonitor(L.Callback):
     same counts Lightning's ``ThroughputMonitor`` would log, from this synchronised timer
     (ThroughputMonitor times with its own clock and needs a ``batch_size_fn``).
     ``median_ms`` is the median over the timed batches, ``None`` if the run was too short
-    to time any.
+    to time any; :meth:`throughput` turns it into per-second rates of the counted batches.
     """
 
     def __init__(self, warmup_batches: int = 2) -> None:
         self.warmup_batches = warmup_batches
         self.timer: StepTimer | None = None
         self._record = True
+        self._counts: dict[str, list[int]] = {}
 
     @property
     def median_ms(self) -> float | None:
         return self.timer.median_ms if self.timer else None
+
+    def throughput(self) -> dict[str, float | None]:
+        """``samples_per_s`` and ``pixels_per_s`` or ``tokens_per_s``: the median count of a
+        timed batch per median step time (``samples_per_s`` None when nothing was timed)."""
+        median = self.median_ms
+        if not median or not self._counts:
+            return {"samples_per_s": None}
+        return {f"{name}_per_s": statistics.median(counts) * 1000.0 / median
+                for name, counts in self._counts.items()}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.timer = StepTimer(pl_module.device, warmup=self.warmup_batches)
@@ -48,6 +59,7 @@ class StepTimeMonitor(L.Callback):
         if len(self.timer.times_ms) > timed:  # kept: not warm-up, not memory-tracked
             pl_module.log("time/step_ms", elapsed, on_step=True, on_epoch=False, batch_size=1)
             for name, count in _batch_counts(batch).items():
+                self._counts.setdefault(name, []).append(count)
                 pl_module.log(f"time/{name}_per_s", count * 1000.0 / elapsed, on_step=True,
                               on_epoch=False, batch_size=1)
 

@@ -24,7 +24,7 @@ import csv
 import json
 import logging
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,10 +53,9 @@ from remat.strategies import (
     StrategyReport,
     TimmNative,
     build_strategy,
-    resolve_stages,
     sqrt_segments,
+    wrapping,
 )
-from remat.strategies.segmented import _patch, unpatch_all
 
 log = logging.getLogger(__name__)
 
@@ -161,28 +160,22 @@ class TorchCheckpointSequential(CheckpointStrategy):
 
     name = "torch_checkpoint_sequential"
 
-    def apply(self, model: torch.nn.Module, stages: Iterable[str]) -> StrategyReport:
-        resolved = resolve_stages(model, stages)
-        unpatch_all(model)
-        report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
-        for path, chain in resolved:
-            if not isinstance(chain, torch.nn.Sequential):
-                raise StageError(f"{self.name} needs nn.Sequential stages; '{path}' is a "
-                                 f"{type(chain).__name__}")
-            _patch(chain, _checkpoint_sequential_forward, None, self)
-            report.segments[path] = sqrt_segments(len(chain))
-            report.wrapped.extend(f"{path}.{i}" for i in range(len(chain)))
-        return report
+    def check_stage(self, path: str, module: torch.nn.Module) -> None:
+        if not isinstance(module, torch.nn.Sequential):
+            raise StageError(f"{self.name} needs nn.Sequential stages; '{path}' is a "
+                             f"{type(module).__name__}")
 
-    def remove(self, model: torch.nn.Module) -> None:
-        unpatch_all(model)
+    def wrap_stage(self, path: str, module: torch.nn.Module, report: StrategyReport) -> None:
+        wrapping.install(module, wrapping.Wrap(self, path, self.run))
+        report.segments[path] = sqrt_segments(len(module))
+        report.wrapped.extend(f"{path}.{i}" for i in range(len(module)))
 
-
-def _checkpoint_sequential_forward(self: torch.nn.Sequential, x):
-    if not (self.training and torch.is_grad_enabled()):
-        return type(self).forward(self, x)
-    return checkpoint_sequential(list(self), max(1, len(sqrt_segments(len(self)))), x,
-                                 use_reentrant=False)
+    def run(self, module: torch.nn.Sequential, wrap: wrapping.Wrap, forward, args: tuple,
+            kwargs: dict):
+        """``checkpoint_sequential`` over the chain's blocks (its one input)."""
+        wrap.calls += 1
+        return checkpoint_sequential(list(module), max(1, len(sqrt_segments(len(module)))),
+                                     *args, use_reentrant=False)
 
 
 def plot(rows: Sequence[BenchRow], path: Path, title: str) -> None:

@@ -8,15 +8,29 @@ import torch
 from torch import nn
 
 
-def count_calls(modules: list[nn.Module]):
+def first_inner(module: nn.Module) -> nn.Module:
+    """The first descendant of ``module`` with parameters of its own (``module`` itself if
+    there is none): remat's recompute runs a unit's ``forward``, not its ``__call__``, so the
+    unit's own hooks run once per step and its children's run again in the recompute."""
+    for child in module.modules():
+        if child is not module and any(True for _ in child.parameters(recurse=False)):
+            return child
+    return module
+
+
+def count_calls(modules: list[nn.Module], inner: bool = False):
     """Count calls of each module (keyed by ``id``) with forward PRE-hooks: a recompute may
-    stop early, before forward hooks fire. Returns ``(counts, handles)``."""
+    stop early, before forward hooks fire. With ``inner``, a module's calls are those of
+    :func:`first_inner` of it (what a recompute calls again). Returns ``(counts, handles)``."""
     counts = collections.Counter({id(m): 0 for m in modules})
+    hooked = {id(first_inner(m) if inner else m): id(m) for m in modules}
 
-    def hook(module, args):
-        counts[id(module)] += 1
+    def hook(module, args):  # keyed by the module called: a deep copy counts apart
+        key = id(module)
+        counts[hooked.get(key, key)] += 1
 
-    return counts, [m.register_forward_pre_hook(hook) for m in modules]
+    return counts, [(first_inner(m) if inner else m).register_forward_pre_hook(hook)
+                    for m in modules]
 
 
 def train_step(model: nn.Module, x: torch.Tensor, seed: int = 123):

@@ -1,15 +1,13 @@
-"""``offload``: saved activations go through ``save_on_cpu``; the function stays the same.
+"""``offload``: saved activations go to host memory; weights stay; the function stays the same.
 
-This machine has no GPU, so the tests prove the mechanism on CPU: which tensors pass through
-the pack hook of ``save_on_cpu`` (all that a stage saves, or only the segment inputs), and
-that a copying pack (what ``save_on_cpu`` does on CUDA) leaves no other reference to the
-segment inputs, so on a GPU their device memory would be freed.
+This machine has no GPU, so the tests prove the mechanism on CPU with the strategy's test
+switch that copies host tensors too (what a CUDA run copies): which tensors are moved (all
+activations a stage saves, or only the segment inputs; never a weight), and that a moved
+segment input has no other reference left, so on a GPU its device memory would be freed.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import copy
 import gc
 import weakref
@@ -17,12 +15,10 @@ import weakref
 import pytest
 import torch
 from torch import nn
-from torch.autograd.graph import save_on_cpu
 
 import remat.strategies.offload as offload_module
 from remat.strategies import build_strategy
-from remat.strategies.offload import OffloadCheckpoint
-from remat.strategies.stages import StageError
+from remat.strategies.offload import HostOffload, OffloadCheckpoint, is_weight
 from tests.strategies.test_selective import TinyGPT
 
 UNET_STAGES = ["encoder.layer*"]
@@ -44,21 +40,18 @@ def gpt():
 
 @pytest.fixture
 def packed(monkeypatch):
-    """Shapes of the tensors that pass through the pack hook of ``save_on_cpu``."""
+    """Shapes of the tensors the offload hooks move to host memory (copying on CPU too, as
+    a CUDA run would)."""
     shapes: list[tuple[int, ...]] = []
+    pack = HostOffload.pack
 
-    class CountingSaveOnCpu(save_on_cpu):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pack = self.pack_hook
+    def counting_pack(self, tensor):
+        self.copy_host_tensors = True
+        if self.moves(tensor):
+            shapes.append(tuple(tensor.shape))
+        return pack(self, tensor)
 
-            def counting_pack(tensor):
-                shapes.append(tuple(tensor.shape))
-                return pack(tensor)
-
-            self.pack_hook = counting_pack
-
-    monkeypatch.setattr(offload_module, "save_on_cpu", CountingSaveOnCpu)
+    monkeypatch.setattr(offload_module.HostOffload, "pack", counting_pack)
     return shapes
 
 
@@ -149,18 +142,17 @@ def test_alone_mode_packs_everything_the_stage_saves(gpt, packed):
     assert counts["alone"] > 5 * counts["full"], counts
 
 
-def test_segment_inputs_are_released_when_the_pack_copies(gpt, monkeypatch):
+def test_segment_inputs_are_released_when_the_pack_copies(gpt):
     """A copying pack, as on CUDA: nothing but the host copy keeps a segment input alive.
 
-    ``save_on_cpu(pin_memory=True)`` copies every packed tensor into a new host tensor
-    (not page-locked here, without CUDA); under plain ``full`` the checkpoint itself keeps
-    the segment inputs, under ``offload`` only their copies remain.
+    Under plain ``full`` the checkpoint itself keeps the segment inputs, under ``offload``
+    only their host copies remain.
     """
     alive = {}
     for name, strategy in (("full", build_strategy("full")),
                            ("offload", OffloadCheckpoint(segments="full"))):
         if name == "offload":
-            monkeypatch.setattr(strategy, "host_memory", lambda: save_on_cpu(pin_memory=True))
+            strategy._copy_host_tensors = True
         model = _wrapped(gpt, "gpt", strategy).train()
         refs = []
 
@@ -180,35 +172,47 @@ def test_segment_inputs_are_released_when_the_pack_copies(gpt, monkeypatch):
     assert alive["offload"] == [False] * len(gpt.blocks)
 
 
-def test_why_save_on_cpu_wraps_the_checkpoint_call():
-    """The design in one experiment (torch's behaviour, not remat's): non-reentrant
-    checkpoint packs its inputs through the saved-tensor hooks around the call, and keeps
-    the inside for itself; hooks given as its ``context_fn`` forward context miss the
-    inputs and take every inside activation away from the checkpoint instead."""
-    from torch.utils.checkpoint import checkpoint
+def test_weights_are_never_moved():
+    lin = nn.Linear(4, 4)
+    buf = torch.zeros(4)
+    hooks = HostOffload(pin_memory=False, buffers=frozenset({buf.untyped_storage()._cdata}),
+                        copy_host_tensors=True)
+    x = torch.randn(2, 4, requires_grad=True)  # so the weight's cast is saved too
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    weight_cast = [t for t in _saved(y) if t.dtype == torch.bfloat16 and t.shape == (4, 4)]
+    assert weight_cast and all(is_weight(t) for t in weight_cast)  # autocast copy of a leaf
+    frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+    assert is_weight(lin.weight) and is_weight(lin.weight.t()) and is_weight(frozen[1:])
+    assert not hooks.moves(lin.weight) and not hooks.moves(buf) and not hooks.moves(buf[:2])
+    activation = torch.relu(lin(x))
+    assert not is_weight(activation) and hooks.moves(activation)
+    assert not HostOffload(pin_memory=False).moves(activation)  # on CPU: nothing to move
 
-    lin = nn.Linear(8, 8)
-    calls = collections.Counter()
 
-    def fn(x):
-        calls["fn"] += 1
-        return torch.relu(lin(x)).sin()
+def _saved(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every tensor autograd saved for the graph that produced ``t``."""
+    found, seen, todo = [], set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for name in dir(fn):
+            if name.startswith("_saved_"):
+                value = getattr(fn, name)
+                found.extend(v for v in (value if isinstance(value, tuple) else (value,))
+                             if isinstance(v, torch.Tensor))
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
 
-    def hooks():
-        return torch.autograd.graph.saved_tensors_hooks(
-            lambda t: (packed.append(t), t)[1], lambda t: t)
 
-    x = torch.randn(4, 8, requires_grad=True)
-    packed: list[torch.Tensor] = []
-    with hooks():
-        checkpoint(fn, x, use_reentrant=False).sum().backward()
-    assert [t is x or t.data_ptr() == x.data_ptr() for t in packed] == [True]
-    assert calls["fn"] == 2  # forward + recompute
-    packed.clear()
-    calls.clear()
-    checkpoint(fn, x, use_reentrant=False,
-               context_fn=lambda: (hooks(), contextlib.nullcontext())).sum().backward()
-    assert len(packed) > 1 and calls["fn"] == 1  # inside saved by the hooks, no recompute
+def test_alone_mode_moves_activations_and_no_weight(gpt, packed):
+    model = _wrapped(gpt, "gpt", OffloadCheckpoint()).train()
+    model(_input("gpt", batch=1)).sum().backward()
+    weight_shapes = {tuple(p.shape) for p in model.blocks.parameters()}
+    weight_shapes |= {tuple(reversed(s)) for s in weight_shapes}  # transposed views
+    assert packed and not weight_shapes & set(packed) - {(1, 16, 32), (16, 32)}
 
 
 class _Block(nn.Module):
@@ -253,12 +257,12 @@ def test_module_list_chain_with_extra_arguments(packed, mode):
         assert packed == [(4, 16), (1,)] * 3
 
 
-def test_alone_mode_takes_any_module_and_segments_need_a_chain(gpt):
+def test_both_modes_take_any_module(gpt):
     model = copy.deepcopy(gpt)
     report = OffloadCheckpoint().apply(model, ["blocks.0"])
     assert report.stages == ["blocks.0"] and report.wrapped == [] and report.segments == {}
-    with pytest.raises(StageError, match="strategy 'offload' splits chains"):
-        OffloadCheckpoint(segments="full").apply(model, ["blocks.0"])
+    report = OffloadCheckpoint(segments="full").apply(model, ["blocks.0"])
+    assert report.wrapped == ["blocks.0"] and report.segments == {"blocks.0": [(0, 1)]}
 
 
 @pytest.mark.parametrize("kwargs,match", [

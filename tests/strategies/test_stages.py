@@ -35,10 +35,10 @@ def test_nested_stages_rejected():
         resolve_stages(_net(), ["encoder.layer1", "encoder.layer1.0"])
 
 
-def test_segment_strategy_rejects_non_chain_and_names_chain_children():
-    with pytest.raises(StageError, match=r"'encoder' is a Module, not an nn.Sequential.*"
-                                         r"encoder\.layer1"):
-        build_strategy("sqrtn").apply(_net(), ["encoder"])
+def test_a_stage_that_is_not_a_chain_is_one_unit():
+    report = build_strategy("sqrtn").apply(_net(), ["encoder", "blocks"])
+    assert report.wrapped == ["encoder", "blocks.0", "blocks.1", "blocks.2"]
+    assert report.segments == {"encoder": [(0, 1)], "blocks": [(0, 2), (2, 3)]}
 
 
 def test_unknown_strategy_lists_valid_names():
@@ -52,30 +52,52 @@ def test_every_k_rejects_k_below_one():
         build_strategy("every_k", k=0)
 
 
-class _LoopsOverChildren(nn.Module):
-    """A parent that iterates a Sequential's children itself (as some timm
-    ``features_only`` models do), bypassing the Sequential's own forward."""
+class _RunsChildrenItself(nn.Module):
+    """A parent that runs the children of a module itself (as timm ``features_only``
+    wrappers do with their model's stages), so that module's own forward never runs."""
 
     def __init__(self):
         super().__init__()
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-                                      for _ in range(3)])
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.body.__class__ = type("Body", (nn.Module,), {})  # a plain module, not a chain
 
     def forward(self, x):
-        for stage in self.blocks:
-            x = stage(x)
+        for layer in self.body.children():
+            x = layer(x)
         return x
 
 
-def test_verify_catches_a_chain_the_forward_bypasses():
+def test_a_bypassed_stage_warns_at_the_first_training_forward_and_verify_raises():
     import torch
 
-    model = _LoopsOverChildren()
+    model = _RunsChildrenItself()
     strategy = build_strategy("full")
-    strategy.apply(model, ["blocks"])
-    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
-    with pytest.raises(StageError, match=r"never called it.*'blocks\.\*'"):
+    strategy.apply(model, ["body"])
+    with pytest.warns(UserWarning, match=r"wrapped body, but the training forward never called"):
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    with pytest.raises(StageError, match=r"never called it.*'body\.\*'"):
         strategy.verify(model)
-    strategy.apply(model, ["blocks.*"])  # the children are called: fine
+    strategy.apply(model, ["body.*"])  # the children are called: fine
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    strategy.verify(model)
+
+
+def test_a_parent_looping_over_a_chain_calls_its_wrapped_members():
+    import torch
+
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+                                          for _ in range(3)])
+
+        def forward(self, x):
+            for stage in self.blocks:  # not blocks(x): the members are still called
+                x = stage(x)
+            return x
+
+    model = Loop()
+    strategy = build_strategy("sqrtn")
+    strategy.apply(model, ["blocks"])
     model(torch.randn(2, 4, requires_grad=True)).sum().backward()
     strategy.verify(model)

@@ -62,7 +62,7 @@ import math
 import numbers
 import types
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,12 +70,9 @@ from torch import nn
 from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 from torch.utils.checkpoint import CheckpointPolicy
 
+from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
-
-# Patched like the segment strategies, so ``unpatch`` (every strategy's ``apply``/``remove``)
-# also removes a compiled stage; the per-stage state sits in the strategy slot.
-from remat.strategies.segmented import _PATCHED, _STRATEGY, _patch, unpatch, unpatch_all
-from remat.strategies.stages import StageError, resolve_stages
+from remat.strategies.stages import StageError
 
 
 def _check_budget(budget: Any) -> float:
@@ -172,12 +169,12 @@ class _BudgetBackend:
             return self.compiler(gm, example_inputs, **self.kwargs)
 
 
-def _trampoline(module: nn.Module) -> Callable:
-    """A function that runs ``module``'s class ``forward``, with a code object of its own
-    (dynamo keeps its compile cache on the code object)."""
+def _trampoline(forward: Callable) -> Callable:
+    """A function that runs ``forward`` (a module's own forward), with a code object of its
+    own (dynamo keeps its compile cache on the code object)."""
 
     def run(*args, **kwargs):
-        return type(module).forward(module, *args, **kwargs)
+        return forward(*args, **kwargs)
 
     code = run.__code__.replace()
     return types.FunctionType(code, run.__globals__, run.__name__, run.__defaults__,
@@ -185,45 +182,29 @@ def _trampoline(module: nn.Module) -> Callable:
 
 
 class _CompiledStage:
-    """Per-stage state: the strategy and the stage's compiled function (built lazily)."""
+    """Per-stage runtime state (kept in the stage's wrap): its compiled function, built at
+    the first training call, and whether a call ran under a dispatch mode."""
 
-    def __init__(self, strategy: CompileBudget, path: str):
-        self.strategy = strategy
-        self.path = path
+    def __init__(self) -> None:
         self.backend: _BudgetBackend | None = None
-        self.calls = 0  # training calls with grad (the compiled path)
         self.under_dispatch_mode = False  # a call saw a TorchDispatchMode (dynamo skips)
         self._owner: weakref.ref | None = None
         self._fn: Callable | None = None
 
-    def compiled_for(self, module: nn.Module) -> Callable:
-        # After copy.deepcopy / copy.copy the state may point at the original module.
+    def compiled_for(self, strategy: CompileBudget, module: nn.Module, path: str,
+                     forward: Callable) -> Callable:
+        # After copy.copy the state may point at the original module.
         if self._fn is None or self._owner is None or self._owner() is not module:
-            self.backend = self.strategy.make_backend(self.path)
-            self._fn = self.strategy.compile_module(module, self.backend)
+            self.backend = strategy.make_backend(path)
+            self._fn = strategy.compile_module(forward, self.backend)
             self._owner = weakref.ref(module)
         return self._fn
-
-    def __deepcopy__(self, memo: dict) -> _CompiledStage:
-        return _CompiledStage(self.strategy, self.path)
-
-
-def _compiled_forward(self: nn.Module, *args, **kwargs):
-    """Replacement ``forward`` of a compiled stage: compiled in training with grad, eager
-    otherwise."""
-    if not (self.training and torch.is_grad_enabled()):
-        return type(self).forward(self, *args, **kwargs)
-    stage = getattr(self, _STRATEGY)
-    stage.calls += 1
-    if any_torch_dispatch_mode_on_stack():
-        stage.under_dispatch_mode = True
-    return stage.compiled_for(self)(*args, **kwargs)
 
 
 def is_compiled_stage(module: nn.Module) -> bool:
     """Whether ``module`` is a stage compiled by :class:`CompileBudget`."""
-    return getattr(module, _PATCHED, False) and isinstance(
-        module.__dict__.get(_STRATEGY), _CompiledStage)
+    wrap = module.__dict__.get(wrapping.WRAP_ATTR)
+    return wrap is not None and isinstance(wrap.owner, CompileBudget)
 
 
 class CompileBudget(CheckpointStrategy):
@@ -252,6 +233,8 @@ class CompileBudget(CheckpointStrategy):
     """
 
     name = "compile"
+    traceable = False          # remat.estimate cannot trace compiled code under FakeTensorMode
+    measurable_on_cpu = False  # dynamo does not compile under MemTracker (a dispatch mode)
 
     def __init__(self, budget: float = 0.5, backend: str | Callable = "inductor",
                  mode: str | None = None, dynamic: bool | None = None):
@@ -288,41 +271,35 @@ class CompileBudget(CheckpointStrategy):
         """A fresh backend for one stage (``label``: the stage's path, for debugging)."""
         return _BudgetBackend(self._compiler, self.budget, self._compiler_kwargs, label)
 
-    def compile_module(self, module: nn.Module, backend: Callable) -> Callable:
-        """The compiled function that runs ``module``'s class ``forward`` through
-        ``backend``; compilation itself happens at its first call."""
-        return torch.compile(_trampoline(module), backend=backend, dynamic=self.dynamic)
+    def compile_module(self, forward: Callable, backend: Callable) -> Callable:
+        """The compiled function that runs ``forward`` (a module's own) through ``backend``;
+        compilation itself happens at its first call."""
+        return torch.compile(_trampoline(forward), backend=backend, dynamic=self.dynamic)
 
-    def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
-        """Compile each resolved stage in place (any module, not only chains).
+    def wrap_stage(self, path: str, module: nn.Module, report: StrategyReport) -> None:
+        """Compile the stage in place (any module; each member of an ``nn.ModuleList`` or
+        ``nn.ModuleDict``, which have no forward of their own). Compilation is lazy: each
+        stage compiles at its first training call with grad enabled."""
+        targets = ([(f"{path}.{name}", m) for name, m in (
+            module.items() if isinstance(module, nn.ModuleDict) else enumerate(module))]
+            if isinstance(module, nn.ModuleList | nn.ModuleDict) else [(path, module)])
+        for target_path, target in targets:
+            wrapping.install(target, wrapping.Wrap(self, target_path, self.run))
+            report.wrapped.append(target_path)
 
-        Removes remat wrapping left on ``model`` first, so applying twice equals applying
-        once and applying over another segment strategy replaces it. Compilation is lazy:
-        each stage compiles at its first training call with grad enabled.
-
-        Raises:
-            StageError: a stage matches nothing, one lies inside another, or one is an
-                ``nn.ModuleList``/``nn.ModuleDict`` (no ``forward`` of its own to compile).
-        """
-        resolved = resolve_stages(model, stages)
-        for path, module in resolved:
-            if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-                raise StageError(
-                    f"strategy 'compile' compiles a stage's forward, but stage '{path}' is a "
-                    f"{type(module).__name__}, which has none (its parent runs the children "
-                    f"itself); list its children as stages instead, e.g. '{path}.*'"
-                )
-        unpatch_all(model)
-        for path, module in resolved:
-            _patch(module, _compiled_forward, None, _CompiledStage(self, path))
-        paths = [p for p, _ in resolved]
-        return StrategyReport(strategy=self.name, stages=paths, wrapped=list(paths))
-
-    def remove(self, model: nn.Module) -> None:
-        """Restore the eager ``forward`` of every compiled stage of ``model``."""
-        for module in model.modules():
-            if is_compiled_stage(module):
-                unpatch(module)
+    def run(self, module: nn.Module, wrap: wrapping.Wrap, forward: Callable,
+            args: tuple, kwargs: dict) -> Any:
+        """Runner of a compiled stage: its compiled function in training with grad. Inside
+        an outer ``torch.compile(model)`` the stage is part of the outer graph (that
+        compile's settings decide), so it runs its own forward there."""
+        if torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        if wrap.state is None:
+            wrap.state = _CompiledStage()
+        wrap.calls += 1
+        if any_torch_dispatch_mode_on_stack():
+            wrap.state.under_dispatch_mode = True
+        return wrap.state.compiled_for(self, module, wrap.path, forward)(*args, **kwargs)
 
     def verify(self, model: nn.Module) -> None:
         """Call after one training forward: every compiled stage must have run through its
@@ -334,14 +311,16 @@ class CompileBudget(CheckpointStrategy):
                 ran eager.
         """
         bypassed, eager, under_mode = [], [], False
-        for module in model.modules():
-            if is_compiled_stage(module):
-                stage = module.__dict__[_STRATEGY]
-                if stage.calls == 0:
-                    bypassed.append(stage.path)
-                elif stage.backend is None or stage.backend.graphs == 0:
-                    eager.append(stage.path)
-                    under_mode = under_mode or stage.under_dispatch_mode
+        for _, _, wrap in wrapping.wraps_of(model):
+            if not isinstance(wrap.owner, CompileBudget):
+                continue
+            stage = wrap.state
+            if wrap.calls == 0 and not wrap.traced:
+                bypassed.append(wrap.path)
+            elif wrap.calls and (stage is None or stage.backend is None
+                                 or stage.backend.graphs == 0):
+                eager.append(wrap.path)
+                under_mode = under_mode or (stage is not None and stage.under_dispatch_mode)
         if bypassed:
             raise StageError(
                 f"strategy 'compile' compiled {', '.join(bypassed)}, but the training forward "

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from torch import nn
-
-from remat.strategies.base import CheckpointStrategy, StrategyReport
-from remat.strategies.segmented import unpatch_all
-from remat.strategies.stages import resolve_stages
+from remat.strategies.base import CheckpointStrategy
 
 
 class NoCheckpoint(CheckpointStrategy):
@@ -19,11 +13,3 @@ class NoCheckpoint(CheckpointStrategy):
     """
 
     name = "none"
-
-    def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
-        resolved = resolve_stages(model, stages)
-        unpatch_all(model)
-        return StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
-
-    def remove(self, model: nn.Module) -> None:
-        unpatch_all(model)

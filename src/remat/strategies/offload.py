@@ -1,65 +1,112 @@
 """``offload``: keep the saved activations of the stages in host memory instead of the device.
 
-Tensors saved for backward go through ``torch.autograd.graph.save_on_cpu``: its pack hook
-copies each one to host memory in the forward, its unpack hook copies it back in backward
-(PyTorch documentation, "Autograd mechanics", hooks for saved tensors,
-https://docs.pytorch.org/docs/stable/notes/autograd.html). Two modes:
+Saved tensors go through a pair of saved-tensor hooks (PyTorch documentation, "Autograd
+mechanics", hooks for saved tensors, https://docs.pytorch.org/docs/stable/notes/autograd.html;
+the same mechanism as ``torch.autograd.graph.save_on_cpu``): the pack hook copies an
+activation into host memory in the forward, the unpack hook copies it back in backward.
+Weights are never moved: a saved tensor that is a parameter, a view of one, a leaf that
+requires grad, an autocast copy of one, or a buffer of the stage stays where it is (moving it
+would cost a host copy of the weights every step and free nothing, since the module keeps
+them anyway). Two modes:
 
 ``segments=None``
-    Each stage runs under ``save_on_cpu``: every tensor it saves goes to host memory and
-    nothing is recomputed. The stage's instance ``forward`` is patched (for an
-    ``nn.ModuleList``, each block's), so ``state_dict`` keys stay the same.
+    Each stage runs under the hooks: every activation it saves goes to host memory and
+    nothing is recomputed. Any module is a stage; for an ``nn.ModuleList``/``ModuleDict``
+    stage each member is wrapped.
 ``segments="full" | "sqrtn" | "every_k"``
-    The chains are cut and checkpointed as that strategy does, and each checkpoint call runs
-    under ``save_on_cpu``. Non-reentrant ``checkpoint`` saves its inputs as ordinary saved
-    tensors, before it installs its own saved-tensor hooks for the inside of the segment; so
-    the pack hook of a ``save_on_cpu`` entered *around* the call sees exactly the segment
-    inputs (the boundaries), and the activations inside are dropped and recomputed as
-    usual. Putting ``save_on_cpu`` in the checkpoint's ``context_fn`` forward context
-    instead would do the opposite: the inputs are saved before that context is entered, and
-    the context's hooks, being innermost, would take the inside activations away from the
-    checkpoint (everything offloaded, nothing recomputed).
+    The stages are checkpointed as that strategy does; only the tensors a checkpointed
+    segment keeps (its inputs) are moved, the inside is recomputed as usual.
 
-On a machine without CUDA, ``pin_memory`` is ignored: the tensors already live in host
-memory, ``save_on_cpu`` keeps them as they are, and the wrapped model computes the same
-function as without it.
+On a machine without CUDA the tensors already live in host memory: nothing is copied and the
+wrapped model computes the same function as without the strategy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import save_on_cpu
+from torch.autograd.graph import saved_tensors_hooks
 
+from remat.strategies import wrapping
 from remat.strategies.base import StrategyReport
-from remat.strategies.every_k import EveryK
-from remat.strategies.full import FullCheckpoint
-from remat.strategies.segmented import _STRATEGY, SegmentStrategy, _patch, unpatch_all
-from remat.strategies.sqrtn import SqrtN
-from remat.strategies.stages import resolve_stages
+from remat.strategies.segmented import RecomputeStrategy, chain_members
+from remat.strategies.segments import every_k_segments, sqrt_segments
 
 SEGMENTS = ("full", "sqrtn", "every_k")
 
 
-def _offloaded_forward(self: nn.Module, *args, **kwargs):
-    """Replacement ``forward`` of a stage (or block) offloaded as a whole."""
-    if not (self.training and torch.is_grad_enabled()):
-        return type(self).forward(self, *args, **kwargs)
-    with getattr(self, _STRATEGY).host_memory():
-        return type(self).forward(self, *args, **kwargs)
+def _storage_id(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, some subclasses
+        return None
 
 
-class OffloadCheckpoint(SegmentStrategy):
-    """Move the saved activations of the stages to host memory (``save_on_cpu``).
+def is_weight(t: torch.Tensor, buffers: frozenset[int] = frozenset()) -> bool:
+    """Whether a saved tensor is (or shares storage with) a weight rather than an activation:
+    a parameter, a leaf that requires grad, an autocast copy of such a leaf (its ``grad_fn``
+    is ``ToCopyBackward0`` fed straight by an ``AccumulateGrad``), a view of any of these,
+    or one of ``buffers`` (storage ids)."""
+    base = t._base if t._base is not None else t  # a view: judge what it views
+    if isinstance(base, nn.Parameter):
+        return True
+    if base.grad_fn is None and base.requires_grad:
+        return True
+    grad_fn = base.grad_fn
+    if grad_fn is not None and type(grad_fn).__name__ == "ToCopyBackward0":
+        nxt = grad_fn.next_functions
+        if nxt and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad":
+            return True
+    return bool(buffers) and _storage_id(t) in buffers
+
+
+class HostOffload:
+    """Pack/unpack hooks that move activations to host memory and leave weights alone.
+
+    Args:
+        pin_memory: copy into page-locked host memory (asynchronous copies on CUDA).
+        buffers: storage ids of buffers that must stay (see :func:`is_weight`).
+        copy_host_tensors: also copy tensors that already live in host memory (tests use it
+            to see on CPU what a CUDA run would move).
+    """
+
+    def __init__(self, pin_memory: bool, buffers: frozenset[int] = frozenset(),
+                 copy_host_tensors: bool = False) -> None:
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.buffers = buffers
+        self.copy_host_tensors = copy_host_tensors
+
+    def moves(self, t: torch.Tensor) -> bool:
+        """Whether :meth:`pack` copies ``t`` to host memory."""
+        if t.device.type == "cpu" and not self.copy_host_tensors:
+            return False
+        return not is_weight(t, self.buffers)
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+        if not self.moves(t):
+            return None, t
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout,
+                           pin_memory=self.pin_memory and t.device.type == "cuda")
+        host.copy_(t)
+        return t.device, host
+
+    def unpack(self, packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
+        device, t = packed
+        return t if device is None else t.to(device, non_blocking=self.pin_memory)
+
+
+class OffloadCheckpoint(RecomputeStrategy):
+    """Move the saved activations of the stages to host memory.
 
     Args:
         pin_memory: copy into page-locked host memory, so the copies run asynchronously on
             CUDA. Ignored when CUDA is not available.
-        segments: ``None`` to offload everything each stage saves (no recompute); or
-            ``"full"``, ``"sqrtn"``, ``"every_k"`` to checkpoint the chains as that
-            strategy does and offload only the segment inputs (one per segment).
+        segments: ``None`` to offload every activation each stage saves (no recompute); or
+            ``"full"``, ``"sqrtn"``, ``"every_k"`` to checkpoint the stages as that
+            strategy does and offload only what the segments keep (their inputs).
         k: blocks per segment for ``segments="every_k"``.
 
     Raises:
@@ -83,37 +130,45 @@ class OffloadCheckpoint(SegmentStrategy):
         self.pin_memory = pin_memory
         self.segments = segments
         self.k = k
-        self._segmenter: SegmentStrategy | None = (
-            None if segments is None else EveryK(k) if segments == "every_k"
-            else FullCheckpoint() if segments == "full" else SqrtN())
+        self._copy_host_tensors = False  # tests: copy on CPU as a CUDA run would
 
-    def host_memory(self) -> save_on_cpu:
-        """The ``save_on_cpu`` context this strategy runs its stages or segments under."""
-        return save_on_cpu(pin_memory=self.pin_memory and torch.cuda.is_available())
+    @property
+    def recomputes(self) -> bool:  # type: ignore[override]
+        """With ``segments`` the stages are recomputed; without, nothing is."""
+        return self.segments is not None
+
+    def offload(self, buffers: frozenset[int] = frozenset()) -> HostOffload:
+        """The hooks this strategy moves tensors with."""
+        return HostOffload(self.pin_memory, buffers, self._copy_host_tensors)
 
     def segments_for(self, n: int) -> list[tuple[int, int]]:
-        if self._segmenter is None:
-            raise RuntimeError("strategy offload: segments=None does not cut chains")
-        return self._segmenter.segments_for(n)
+        if self.segments == "every_k":
+            return every_k_segments(n, self.k)
+        if self.segments == "sqrtn":
+            return sqrt_segments(n)
+        return every_k_segments(n, 1)
 
-    def run_segment(self, blocks: list[nn.Module], x, *args, **kwargs):
-        """Checkpoint one segment with its inputs packed to host memory."""
-        with self.host_memory():
-            return super().run_segment(blocks, x, *args, **kwargs)
+    def boundary_hooks(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+        hooks = self.offload()
+        return hooks.pack, hooks.unpack
 
-    def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
-        """Offload the stages (see the module docstring for the two modes).
-
-        Raises:
-            StageError: a stage matches nothing, or (with ``segments``) is not a chain.
-        """
-        if self._segmenter is not None:
-            return super().apply(model, stages)
-        resolved = resolve_stages(model, stages)
-        unpatch_all(model)  # one strategy per model: replaces whatever was applied before
-        for _, stage in resolved:
-            targets = list(stage) if isinstance(stage, nn.ModuleList) else [stage]
-            for module in targets:
-                _patch(module, _offloaded_forward, None, self)
+    def wrap_stage(self, path: str, module: nn.Module, report: StrategyReport) -> None:
+        if self.segments is not None:
+            super().wrap_stage(path, module, report)
+            return
+        targets = (chain_members(module) if isinstance(module, nn.ModuleList | nn.ModuleDict)
+                   else [("", module)])
+        for name, target in targets:
+            wrapping.install(target, wrapping.Wrap(self, f"{path}.{name}" if name else path,
+                                                   self.run_offloaded))
         # Nothing is recomputed in this mode, so no module is reported as wrapped.
-        return StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
+
+    def run_offloaded(self, module: nn.Module, wrap: wrapping.Wrap,
+                      forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Runner of ``segments=None``: the call under the offload hooks."""
+        if not torch.compiler.is_compiling():
+            wrap.calls += 1
+        buffers = frozenset(filter(None, map(_storage_id, module.buffers())))
+        hooks = self.offload(buffers)
+        with saved_tensors_hooks(hooks.pack, hooks.unpack):
+            return forward(*args, **kwargs)

@@ -25,7 +25,21 @@ Presets (``policy``):
     Save the outputs of the ops listed in ``ops`` (``"aten.mm"``, ``"aten.convolution"``,
     ...), recompute every other op.
 
-Whatever the preset, a few rules keep the function the same:
+Never more than ``none``. Whatever the preset, a block keeps at most what autograd itself
+would have kept for it: the policy's "save" decisions are candidates, and at the end of the
+block's forward, a candidate whose output autograd did not save for backward (seen through a
+saved-tensor hook under the checkpoint's) is turned into a recompute, unless the memory freed
+by the recomputed ops that autograd did save pays for it (matmul-like outputs first, then in
+op order). So ``attention`` on a fused-SDPA block saves the projections and keeps no softmax
+statistics, and on a convolution block (no attention core) it saves what autograd saves and
+recomputes the rest, never more.
+
+Autocast. Under ``torch.autocast`` the block runs with the autocast weight cache off, in the
+forward and in the recompute alike, so a weight cast before the block (a tied embedding, a
+``no_grad`` teacher or EMA pass in the same autocast region) is cast again inside it and the
+recompute sees the same ops as the forward.
+
+A few more rules keep the function the same:
 
 - ops that draw random numbers (dropout, SDPA with ``dropout_p > 0``) are recomputed, so the
   recompute, which starts from the forward's RNG state, draws the same numbers in the same
@@ -44,19 +58,26 @@ Whatever the preset, a few rules keep the function the same:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import functools
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import checkpoint as _ckpt
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
+from torch.utils.flop_counter import flop_registry as _flop_registry
 
-from remat.strategies.segmented import SegmentStrategy
+from remat.strategies.segmented import RecomputeStrategy
 from remat.strategies.segments import every_k_segments
 
 POLICIES = ("matmul", "attention", "ops")
@@ -177,11 +198,88 @@ def _is_backup_of_saved(policy: _RegionPolicy, args, kwargs) -> bool:
             and t.numel() * t.element_size() == t.untyped_storage().nbytes())
 
 
+@dataclass(eq=False)
+class _Op:
+    """One op of a block's forward as the policy saw it (for :meth:`_RegionPolicy.finish`):
+    where torch's SAC storage files its output, the storages it made, read and wrote, the
+    shapes of its output (for a placeholder) and its FLOPs."""
+
+    key: object
+    index: int
+    save: bool
+    made: list[tuple]
+    reads: list[tuple]
+    writes: list[tuple]
+    meta: Any
+    flops: int
+    alias: bool
+    random: bool
+
+
+def _flops(op, args, kwargs, out) -> int:
+    """FLOPs of one op by torch's own formulas (``torch.utils.flop_counter``), 0 if none."""
+    formula = _flop_registry.get(op.overloadpacket)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a formula that does not fit this overload
+        return 0
+
+
+def _meta(out) -> Any:
+    return tree_map(lambda t: _Unread(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+class _Unread:
+    """A cached SAC entry for an op output the recompute never reads: instead of running
+    the op again, the recompute gets an uninitialised tensor of the same shape, strides,
+    dtype and device (strides matter: ops such as ``reshape`` copy or view by them). It is
+    allocated only when the recompute asks, so the forward keeps nothing for it. Duck-types
+    torch's ``_VersionWrapper`` (``get_val``)."""
+
+    __slots__ = ("shape", "stride", "dtype", "device", "storage")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.stride = tuple(t.shape), tuple(t.stride())
+        self.dtype, self.device = t.dtype, t.device
+        self.storage = _storage_key(t)
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+
+
+class _Value:
+    """A non-tensor output in the SAC cache (torch's ``_VersionWrapper`` for a constant)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> Any:
+        return self.value
+
+
+def _placeholder(meta: Any) -> Any:
+    return tree_map(lambda leaf: leaf if isinstance(leaf, _Unread) else _Value(leaf), meta)
+
+
+def _without(entry: Any, op: _Op, dead: set[tuple]) -> Any:
+    """A cached SAC entry with the outputs in ``dead`` storages replaced by placeholders."""
+    leaves, spec = tree_flatten(entry)
+    metas = tree_flatten(op.meta)[0]
+    return tree_unflatten([m if isinstance(m, _Unread) and m.storage in dead else leaf
+                           for leaf, m in zip(leaves, metas, strict=True)], spec)
+
+
 class _RegionPolicy:
     """The policy function of one checkpointed block: per-op decisions of one forward.
 
     It tracks, per storage, whether the block saved or will recompute it, so that in-place
-    ops and the ``attention`` core can be decided consistently (see the module docstring).
+    ops and the ``attention`` core can be decided consistently, and which storages autograd
+    saved for backward (``packed``, filled by :class:`_RecordPacks`), so that
+    :meth:`finish` keeps no more than autograd would have (see the module docstring).
     """
 
     def __init__(self, decide: Callable[[object, bool], bool], follow_core: bool) -> None:
@@ -192,14 +290,104 @@ class _RegionPolicy:
         self.read_by_recompute: dict[tuple, str] = {}
         self.decisions: list[CheckpointPolicy] = []
         self.replayed = 0
+        self.produced: dict[tuple, int] = {}   # storage made by an op of the block -> bytes
+        self.written: set[tuple] = set()       # storages changed in place
+        self.packed: set[tuple] = set()        # storages autograd saved for backward
+        self.ops: list[_Op] = []
+        self._counts: dict[object, int] = {}
+        self._last: tuple[list, list] = ([], [])
 
     def __call__(self, ctx: SelectiveCheckpointContext, op, *args, **kwargs):
         if ctx.is_recompute:  # torch versions that ask again in recompute: same answers
             self.replayed += 1
             return self.decisions[self.replayed - 1]
-        decision = self._decide(op, args, kwargs, getattr(ctx, "op_output", None))
+        out = getattr(ctx, "op_output", None)
+        decision = self._decide(op, args, kwargs, out)
         self.decisions.append(decision)
+        key = _sac_key(op, args)
+        index = self._counts.get(key, 0)
+        self._counts[key] = index + 1
+        reads, writes = self._last
+        made = [k for ret, value in zip(op._schema.returns, _tensors_per_return(out, op._schema),
+                                        strict=False) if ret.alias_info is None
+                for k in map(_storage_key, value) if k is not None]
+        self.ops.append(_Op(key, index, decision is _SAVE, made, reads, writes, _meta(out),
+                            _flops(op, args, kwargs, out),
+                            any(r.alias_info is not None for r in op._schema.returns),
+                            _is_random(op, args, kwargs)))
         return decision
+
+    def finish(self, storage: dict) -> None:
+        """After the block's forward, settle what the block keeps (module docstring):
+
+        1. the "save" decisions with an output autograd saved for backward (or that an
+           in-place op changed) stay cached;
+        2. an output nothing in the recompute reads (every op reading it is cached, or
+           itself unread) is not kept: a cached op keeps only its other outputs (a
+           BatchNorm its statistics), an op with no output left read gets a placeholder
+           instead of running again;
+        3. other "save" decisions stay cached, most FLOPs per byte first, while the cache
+           stays within the bytes autograd would have saved for the block's own tensors;
+           the rest run again in the recompute.
+
+        ``storage`` is torch's SAC cache of the block (``_CachingTorchDispatchMode``).
+        """
+        if _RECOMPUTE_ENTRY is None:
+            return  # pragma: no cover - a torch without this SAC internal
+        needed = self.packed | self.written
+        budget = sum(n for k, n in self.produced.items() if k in self.packed)
+        ops = self.ops
+        cached = {i for i, op in enumerate(ops)
+                  if op.save and any(k in needed for k in op.made + op.writes)}
+        readers: dict[tuple, list[int]] = {}
+        for i, op in enumerate(ops):
+            if op.alias and not op.writes:
+                continue  # a view: its readers read the same storage
+            for k in op.reads + op.writes:
+                readers.setdefault(k, []).append(i)
+
+        def settle() -> tuple[set[int], set[tuple]]:
+            """Ops with no output read in the recompute, and unread storages."""
+            dead_ops: set[int] = set()
+            dead: set[tuple] = set()
+            for i in range(len(ops) - 1, -1, -1):
+                op = ops[i]
+                if op.alias or op.random:
+                    continue
+                for k in op.made:
+                    if k not in needed and all(j in cached or j in dead_ops
+                                               for j in readers.get(k, ()) if j != i):
+                        dead.add(k)
+                if i not in cached and op.made and all(k in dead for k in op.made):
+                    dead_ops.add(i)
+            return dead_ops, dead
+
+        def cost(op: _Op, counted: set[tuple], dead: set[tuple]) -> int:
+            return sum(self.produced.get(k, 0) for k in set(op.made) - counted - dead)
+
+        dead_ops, dead = settle()
+        counted: set[tuple] = set()
+        for i in sorted(cached):
+            budget -= cost(ops[i], counted, dead)
+            counted.update(ops[i].made)
+        extras = sorted((i for i, op in enumerate(ops)
+                         if op.save and i not in cached and i not in dead_ops),
+                        key=lambda i: -ops[i].flops / max(1, cost(ops[i], counted, dead)))
+        for i in extras:
+            c = cost(ops[i], counted, dead)
+            if c <= budget:
+                budget -= c
+                counted.update(ops[i].made)
+                cached.add(i)
+        dead_ops, dead = settle()
+        for i, op in enumerate(ops):
+            if i in dead_ops:
+                storage[op.key][op.index] = _placeholder(op.meta)
+            elif i in cached:
+                if any(k in dead for k in op.made):
+                    storage[op.key][op.index] = _without(storage[op.key][op.index], op, dead)
+            elif op.save:
+                storage[op.key][op.index] = _RECOMPUTE_ENTRY
 
     def _decide(self, op, args, kwargs, out) -> CheckpointPolicy:
         schema = op._schema
@@ -210,6 +398,8 @@ class _RegionPolicy:
             keys = [k for k in map(_storage_key, _tensors(value)) if k is not None]
             (written if arg.alias_info is not None and arg.alias_info.is_write
              else read).extend(keys)
+        self.written.update(written)
+        self._last = (read, written)
         aliasing = any(r.alias_info is not None for r in schema.returns)
         random = _is_random(op, args, kwargs)
 
@@ -248,13 +438,120 @@ class _RegionPolicy:
         for ret, value in zip(schema.returns, _tensors_per_return(out, schema), strict=False):
             if ret.alias_info is not None:
                 continue  # a view or an in-place result: same storage, same standing
-            for key in map(_storage_key, value):
+            for t in value:
+                key = _storage_key(t)
                 if key is None:
                     continue
+                self.produced[key] = t.untyped_storage().nbytes()
                 self.saved[key] = decision is _SAVE
                 self.read_by_recompute.pop(key, None)
                 (self.core.add if core else self.core.discard)(key)
         return decision
+
+
+_RECOMPUTE_ENTRY = getattr(_ckpt, "_RECOMPUTE", None)  # SAC's "run this op again" entry
+
+
+def _sac_key(op, args) -> object:
+    """The key torch's SAC storage files an op's output under (``_sac_storage_key``)."""
+    fn = getattr(_ckpt, "_sac_storage_key", None)
+    return fn(op, args) if fn is not None else op
+
+
+class _RecordPacks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks pushed above the checkpoint's own: note which storages autograd
+    saves, then hand each tensor to the hooks below (the checkpoint's), unchanged.
+
+    Marked as a checkpoint-internal hook (torch's ``_checkpoint_internal``), so torch's
+    search for the user's hooks (``save_on_cpu`` around the model) looks through it.
+    """
+
+    def __init__(self, policy: _RegionPolicy) -> None:
+        self.policy = policy
+        self.below: tuple | None = None
+
+        def pack(t):
+            policy.packed.add(_storage_key(t))
+            return self.below[0](t)
+
+        def unpack(packed):
+            return self._unpack_below(packed)
+
+        pack._checkpoint_internal = True  # type: ignore[attr-defined]
+        super().__init__(pack, unpack)
+
+    def __enter__(self):
+        self.below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if self.below is None:
+            raise RuntimeError("strategy selective: its block must run inside a checkpoint")
+        self._unpack_below = self.below[1]
+        find_user = getattr(_ckpt, "_current_user_saved_tensors_hooks", None)
+        self.pack_hook._user_hooks = find_user() if find_user is not None else None
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del self.pack_hook._user_hooks
+        return super().__exit__(*exc)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+@contextlib.contextmanager
+def _autocast_cache_off() -> Iterator[None]:
+    """Autocast as it is, with its weight-cast cache off (module docstring: autocast)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICES:
+            if (torch.amp.is_autocast_available(device_type)
+                    and torch.is_autocast_enabled(device_type)):
+                stack.enter_context(torch.autocast(
+                    device_type, dtype=torch.get_autocast_dtype(device_type),
+                    cache_enabled=False))
+        yield
+
+
+class _Contexts:
+    """A (forward, recompute) context pair for one block, each enterable more than once."""
+
+    def __init__(self, policy: _RegionPolicy, forward_mode, recompute_mode) -> None:
+        self.policy = policy
+        self.forward_mode = forward_mode
+        self.recompute_mode = recompute_mode
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        with _autocast_cache_off(), _RecordPacks(self.policy), self.forward_mode:
+            yield
+        self.policy.finish(self.forward_mode.storage)
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        with _autocast_cache_off(), self.recompute_mode:
+            yield
+
+
+class _Reenterable:
+    """Wraps a generator context factory so that one object can be entered many times."""
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.factory = factory
+        self._active: list = []
+
+    def __enter__(self):
+        ctx = self.factory()
+        self._active.append(ctx)
+        return ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._active.pop().__exit__(*exc)
+
+
+def _compiled_policy(save: frozenset, attention: bool, ctx, op, *args, **kwargs):
+    """The policy under ``torch.compile``: the preset's op sets (no in-place or budget
+    rules: the compiled graph is functional, and the partitioner decides the rest)."""
+    if attention:
+        return _RECOMPUTE if op.overloadpacket in _ATTENTION_CORE else _SAVE
+    return _SAVE if (op in save or op.overloadpacket in save) else _RECOMPUTE
 
 
 def _tensors_per_return(out, schema) -> list[list[torch.Tensor]]:
@@ -263,7 +560,7 @@ def _tensors_per_return(out, schema) -> list[list[torch.Tensor]]:
     return [_tensors(o) for o in out] if isinstance(out, tuple | list) else []
 
 
-class SelectiveCheckpoint(SegmentStrategy):
+class SelectiveCheckpoint(RecomputeStrategy):
     """Checkpoint each block alone, saving the outputs of the ops a policy picks.
 
     Args:
@@ -320,11 +617,32 @@ class SelectiveCheckpoint(SegmentStrategy):
         return _RegionPolicy(self._saves, follow_core=self.policy == "attention")
 
     def checkpoint_contexts(self) -> tuple:
-        """(forward, recompute) contexts of one checkpoint call, from
-        ``create_selective_checkpoint_contexts`` with this strategy's policy.
+        """(forward, recompute) contexts of one checkpointed block: torch's
+        ``create_selective_checkpoint_contexts`` with this strategy's policy, the pack
+        recorder that keeps the block at or below ``none``, and the autocast cache off.
 
         ``allow_cache_entry_mutation=True`` lets an in-place op change a saved tensor; the
         policy makes sure no recomputed op reads such a tensor before the change.
         """
-        return create_selective_checkpoint_contexts(self.make_policy(),
-                                                    allow_cache_entry_mutation=True)
+        policy = self.make_policy()
+        forward_mode, recompute_mode = create_selective_checkpoint_contexts(
+            policy, allow_cache_entry_mutation=True)
+        pair = _Contexts(policy, forward_mode, recompute_mode)
+        return _Reenterable(pair.forward), _Reenterable(pair.recompute)
+
+    def compile_context_fn(self) -> Callable[[], tuple]:
+        """Under ``torch.compile``: SAC with the preset's op sets, as a
+        ``functools.partial`` (the form dynamo accepts as ``context_fn``)."""
+        return functools.partial(
+            create_selective_checkpoint_contexts,
+            functools.partial(_compiled_policy, self._save, self.policy == "attention"))
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_save")  # torch op objects do not pickle; rebuilt from the names
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._save = resolve_ops(self.ops) if self.ops is not None else (
+            _MATMUL | _SDPA if self.policy == "matmul" else frozenset())

@@ -44,12 +44,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
-from remat.strategies.segmented import unpatch_all
 from remat.strategies.stages import StageError, resolve_stages
 
-_ENABLED = "_remat_timm_native"  # marks a timm model whose checkpointing remat switched on
-_PROBE = "_remat_timm_probe"      # its _RecomputeProbe until verify() or remove()
 _ALTERNATIVES = ("use strategy 'full', 'sqrtn' or 'every_k' on its block chains "
                  "(nn.Sequential / nn.ModuleList of blocks), or 'compile'")
 
@@ -211,30 +209,27 @@ class TimmNative(CheckpointStrategy):
                 "use_reentrant=False. Call timm.layers.set_reentrant_ckpt(False) first"
             )
         segments = self._segments(targets, members)
-        unpatch_all(model)
-        enabled: list[nn.Module] = []
+        wrapping.unwrap_all(model)
         for path, target in targets.items():
             try:
                 target.set_grad_checkpointing(True)
             except (AssertionError, NotImplementedError, RuntimeError, TypeError) as err:
-                for done in enabled:
-                    _switch_off(done)
+                wrapping.unwrap_all(model)
                 raise ValueError(
                     f"timm's {type(target).__name__} at {_describe(path)} does not support "
                     f"gradient checkpointing (set_grad_checkpointing(True) raised "
                     f"{type(err).__name__}: {err}); {_ALTERNATIVES}"
                 ) from err
-            object.__setattr__(target, _ENABLED, True)
-            object.__setattr__(target, _PROBE, _RecomputeProbe(target))
-            enabled.append(target)
+            wrapping.install(target, wrapping.Wrap(self, path, state=_RecomputeProbe(target)))
         return StrategyReport(strategy=self.name, stages=paths, wrapped=list(targets),
                               segments=segments)
 
-    def remove(self, model: nn.Module) -> None:
-        """Call ``set_grad_checkpointing(False)`` on every timm model ``apply`` switched on."""
-        for module in model.modules():
-            if module.__dict__.get(_ENABLED, False):
-                _switch_off(module)
+    def undo(self, module: nn.Module, wrap: wrapping.Wrap) -> None:
+        """Call ``set_grad_checkpointing(False)`` on a timm model ``apply`` switched on."""
+        module.set_grad_checkpointing(False)
+        if wrap.state is not None:
+            wrap.state.close()
+        wrapping.uninstall(module)
 
     def verify(self, model: nn.Module) -> None:
         """Call after one training step (forward and backward): each timm model switched on
@@ -245,11 +240,12 @@ class TimmNative(CheckpointStrategy):
             ValueError: a timm model recomputed nothing (the path used ignores the flag).
         """
         silent = []
-        for path, module in model.named_modules():
-            probe = module.__dict__.pop(_PROBE, None)
+        for path, module, wrap in wrapping.wraps_of(model):
+            probe = wrap.state if isinstance(wrap.owner, TimmNative) else None
             if probe is None:
                 continue
             probe.close()
+            wrap.state = None
             if not probe.recomputed:
                 silent.append(f"{_describe(path)} ({type(module).__name__})")
         if silent:
@@ -259,20 +255,3 @@ class TimmNative(CheckpointStrategy):
                 "not look at timm's flag (e.g. a parent calls its blocks directly), or nothing "
                 f"in it needs gradients; {_ALTERNATIVES}"
             )
-
-
-def switch_off_timm_native(module: nn.Module) -> bool:
-    """Switch off timm checkpointing that ``timm_native`` switched on in ``module`` (only that
-    module); returns whether it had."""
-    if not module.__dict__.get(_ENABLED, False):
-        return False
-    _switch_off(module)
-    return True
-
-
-def _switch_off(module: nn.Module) -> None:
-    module.set_grad_checkpointing(False)
-    module.__dict__.pop(_ENABLED, None)
-    probe = module.__dict__.pop(_PROBE, None)
-    if probe is not None:
-        probe.close()

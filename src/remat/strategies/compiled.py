@@ -72,6 +72,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
+from remat.strategies.recompute import ChainPlan
 from remat.strategies.stages import StageError
 
 
@@ -283,8 +284,11 @@ class CompileBudget(CheckpointStrategy):
         targets = ([(f"{path}.{name}", m) for name, m in (
             module.items() if isinstance(module, nn.ModuleDict) else enumerate(module))]
             if isinstance(module, nn.ModuleList | nn.ModuleDict) else [(path, module)])
-        for target_path, target in targets:
-            wrapping.install(target, wrapping.Wrap(self, target_path, self.run))
+        # the members of a list are one stage for the bypass check (a parent may skip some)
+        group = ChainPlan(path, [(0, len(targets))]) if len(targets) > 1 else None
+        for index, (target_path, target) in enumerate(targets):
+            wrapping.install(target, wrapping.Wrap(self, target_path, self.run, chain=group,
+                                                   index=index))
             report.wrapped.append(target_path)
 
     def run(self, module: nn.Module, wrap: wrapping.Wrap, forward: Callable,

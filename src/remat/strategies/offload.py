@@ -32,6 +32,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from remat.strategies import wrapping
 from remat.strategies.base import StrategyReport
+from remat.strategies.recompute import ChainPlan
 from remat.strategies.segmented import RecomputeStrategy, chain_members
 from remat.strategies.segments import every_k_segments, sqrt_segments
 
@@ -158,9 +159,12 @@ class OffloadCheckpoint(RecomputeStrategy):
             return
         targets = (chain_members(module) if isinstance(module, nn.ModuleList | nn.ModuleDict)
                    else [("", module)])
-        for name, target in targets:
+        # the members of a list are one stage for the bypass check (a parent may skip some)
+        group = ChainPlan(path, [(0, len(targets))]) if targets[0][0] else None
+        for index, (name, target) in enumerate(targets):
             wrapping.install(target, wrapping.Wrap(self, f"{path}.{name}" if name else path,
-                                                   self.run_offloaded))
+                                                   self.run_offloaded, chain=group,
+                                                   index=index))
         # Nothing is recomputed in this mode, so no module is reported as wrapped.
 
     def run_offloaded(self, module: nn.Module, wrap: wrapping.Wrap,

@@ -222,16 +222,15 @@ class _StateGuard:
 
     def __init__(self, module: nn.Module, state: UnitState) -> None:
         self.state = state
-        self.norms: list[tuple[nn.Module, str]] = []
+        # norm modules, not their buffers: a lazy norm creates its statistics in the call
+        self.norms: list[nn.Module] = []
         self.snapshot: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self._watch: list[tuple[nn.Module, str, torch.Tensor, int]] = []
         for m in module.modules():
+            if isinstance(m, _NormBase) and m.track_running_stats and m.training:
+                self.norms.append(m)
             for name, buf in m._buffers.items():
-                if not _initialised(buf):
-                    continue
-                if _is_norm_stat(m, name):
-                    if m.training:
-                        self.norms.append((m, name))
+                if not _initialised(buf) or _is_norm_stat(m, name):
                     continue
                 self._watch.append((m, name, buf, buf._version))
                 if not state.learned or (id(m), name) in state.stateful:
@@ -262,9 +261,10 @@ def _replaying(guards: list[_StateGuard]) -> Iterator[None]:
     the forward did."""
     swaps: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor]] = {}
     for guard in guards:
-        for m, name in guard.norms:
-            if (id(m), name) not in swaps and name in m._buffers:
-                swaps[(id(m), name)] = (m, name, m._buffers[name].clone())
+        for m in guard.norms:
+            for name in _STAT_BUFFERS:
+                if (id(m), name) not in swaps and _initialised(m._buffers.get(name)):
+                    swaps[(id(m), name)] = (m, name, m._buffers[name].clone())
         for (m, name), before in guard.snapshot.items():
             swaps.setdefault((id(m), name), (m, name, before.clone()))
     originals = []
@@ -340,7 +340,7 @@ class _Tape:
         with _recomputing():
             try:
                 self._replay()
-            except _ckpt._StopRecomputationError:
+            except (_ckpt._StopRecomputationError, RecomputeError):
                 raise
             except _ckpt.CheckpointError as err:
                 self.raise_named(err)
@@ -381,6 +381,8 @@ class _Tape:
 
     def raise_named(self, err: BaseException) -> None:
         """``unpack_error_cb`` of the frame: torch's mismatch error, naming the unit."""
+        if isinstance(err, RecomputeError):
+            raise err
         raise RecomputeError(
             f"remat: recomputing '{self.current}' (strategy '{self.strategy}') did not save "
             "the same tensors as its forward did. Likely causes: the unit's forward depends "
@@ -480,7 +482,8 @@ class ChainPlan:
         start, end = self.bounds[segment]
         region = self._open
         if region is None or region.segment != segment or wrap.index <= region.last_index:
-            region = Region(strategy, f"{self.path}[{start}:{end}]", segment)
+            label = wrap.path if end - start == 1 else f"{self.path}[{start}:{end}]"
+            region = Region(strategy, label, segment)
         region.last_index = wrap.index
         self._open = region if wrap.index < end - 1 else None
         return region

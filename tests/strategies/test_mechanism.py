@@ -1,0 +1,362 @@
+"""The wrapping mechanism: pickling, norms and state, caches, errors that name the unit,
+autocast, and peak memory never above ``none`` (``src/remat/strategies/recompute.py``)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat.strategies.recompute as recompute
+from remat.measure import PeakMemory
+from remat.strategies import RecomputeError, StageError, build_strategy, unwrap_all
+from tests.strategies.test_selective import TinyGPT
+
+STRATEGIES = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}),
+              ("selective", {"policy": "matmul"}), ("selective", {"policy": "attention"}),
+              ("selective", {"ops": ["aten.addmm"]}), ("offload", {}),
+              ("offload", {"segments": "sqrtn"})]
+RECOMPUTING = [s for s in STRATEGIES if s != ("offload", {})]
+
+
+def _step(model, x, seed=5):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(x)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                          if p.grad is not None}
+
+
+def _assert_same(got, ref):
+    assert torch.equal(got[0], ref[0])
+    assert got[1].keys() == ref[1].keys()
+    for key, grad in ref[1].items():
+        torch.testing.assert_close(got[1][key], grad, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return TinyGPT(depth=4, p=0.2, attn_p=0.0)
+
+
+@pytest.mark.parametrize("strategy,overrides", [*STRATEGIES, ("compile", {"backend": "aot_eager"})])
+def test_wrapped_models_pickle_deepcopy_and_torch_save(gpt, strategy, overrides):
+    x = torch.randn(2, 16, 32)
+    ref = _step(copy.deepcopy(gpt), x)
+    model = copy.deepcopy(gpt)
+    build_strategy(strategy, **overrides).apply(model, ["blocks"])
+    _step(model, x)  # runtime state (compiled code, learned buffers) exists before copying
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model),
+                   torch.load(buffer, weights_only=False)):
+        forwards = [(m, vars(m)["forward"]) for m in copied.modules() if "forward" in vars(m)]
+        assert forwards and all(f.module is m for m, f in forwards)  # bound to the copy
+        got = _step(copied, x)
+        if strategy == "compile":
+            torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+        else:
+            _assert_same(got, ref)
+
+
+@pytest.mark.parametrize("strategy,overrides", [*STRATEGIES, ("compile", {"backend": "aot_eager"}),
+                                                ("none", {})])
+def test_torch_compile_of_a_wrapped_model_gives_eager_gradients_without_recompiling(
+        gpt, strategy, overrides):
+    torch._dynamo.reset()
+    x = torch.randn(2, 16, 32)
+    ref = _step(copy.deepcopy(gpt), x)
+    model = copy.deepcopy(gpt)
+    build_strategy(strategy, **overrides).apply(model, ["blocks"])
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        out = compiled(x)
+        out.square().mean().backward()
+    got = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for key, grad in ref[1].items():
+        torch.testing.assert_close(got[1][key], grad, rtol=1e-5, atol=1e-6, msg=key)
+    # one graph per graph-break-free region, compiled once for three steps
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= (2 if strategy == "offload"
+                                                                       else 1)
+    build_strategy(strategy, **overrides).verify(model)  # traced units count as called
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,overrides", [("full", {}), ("sqrtn", {}),
+                                                ("selective", {"policy": "matmul"}),
+                                                ("offload", {"segments": "sqrtn"})])
+def test_torch_compile_inductor_gives_eager_gradients(gpt, strategy, overrides, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fallback_random", True)  # eager's dropout masks
+    torch._dynamo.reset()
+    x = torch.randn(2, 16, 32)
+    ref = _step(copy.deepcopy(gpt), x)
+    model = copy.deepcopy(gpt)
+    build_strategy(strategy, **overrides).apply(model, ["blocks"])
+    compiled = torch.compile(model, backend="inductor")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        compiled(x).square().mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# --- norms and state ------------------------------------------------------------------
+
+
+class NormBlock(nn.Module):
+    def __init__(self, norm: str, c: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.norm = {"instance": lambda: nn.InstanceNorm2d(c, affine=True,
+                                                           track_running_stats=True),
+                     "lazy": lambda: nn.LazyBatchNorm2d(),
+                     "cumulative": lambda: nn.BatchNorm2d(c, momentum=None),
+                     "spectral": lambda: nn.Identity()}[norm]()
+        if norm == "spectral":
+            self.conv = nn.utils.parametrizations.spectral_norm(self.conv)
+
+    def forward(self, x):
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+@pytest.mark.parametrize("norm", ["instance", "lazy", "cumulative", "spectral"])
+@pytest.mark.parametrize("strategy,overrides", RECOMPUTING)
+def test_every_norm_and_stateful_buffer_is_updated_once_per_forward(norm, strategy, overrides):
+    x = torch.randn(2, 4, 8, 8)
+    models = {}
+    for name in ("none", strategy):  # built twice: a lazy module cannot be copied yet
+        torch.manual_seed(0)
+        models[name] = nn.Sequential(*[NormBlock(norm) for _ in range(3)])
+    build_strategy(strategy, **overrides).apply(models[strategy], ["*"])
+    results = {}
+    for name, model in models.items():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1) if norm != "lazy" else None
+        for _ in range(3):
+            out, grads = _step(model, x)
+            if opt is None:
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt.step()
+        results[name] = (out, grads, copy.deepcopy(model.state_dict()))
+    _assert_same(results[strategy][:2], results["none"][:2])
+    for key, value in results["none"][2].items():
+        assert torch.equal(results[strategy][2][key], value), key
+    if norm in ("lazy", "cumulative"):  # InstanceNorm keeps no count
+        assert int(results[strategy][2]["0.norm.num_batches_tracked"]) == 3
+
+
+def test_sync_batchnorm_in_a_recomputed_unit_is_refused_when_it_would_sync(monkeypatch):
+    model = nn.Sequential(nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))))
+    build_strategy("full").apply(model, ["0"])
+    model.train()
+    model(torch.randn(3, 4)).sum().backward()  # not distributed: nothing to sync twice
+    dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                 get_world_size=lambda group=None: 2)
+    monkeypatch.setattr(recompute.torch, "distributed", dist)
+    with pytest.raises(StageError, match=r"'0\.0\.1' is a SyncBatchNorm inside the "
+                                         r"recomputed unit '0\.0'.*sync_batchnorm"):
+        model(torch.randn(3, 4))
+
+
+# --- key/value caches -----------------------------------------------------------------
+
+
+class CacheLayer(nn.Module):
+    """Appends its keys to a cache it is given, as decoder layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, layer_past=None, use_cache=False):
+        if layer_past is not None and use_cache:
+            layer_past.append(x.detach())
+        return self.fc(x).tanh()
+
+
+class CacheModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CacheLayer() for _ in range(4))
+
+    def forward(self, x, cache):
+        for layer in self.layers:
+            x = layer(x, cache, use_cache=True)  # the cache as a positional argument
+        return x
+
+
+def test_a_kv_cache_is_dropped_in_training_with_a_warning_and_kept_in_eval():
+    torch.manual_seed(0)
+    model = CacheModel()
+    ref = copy.deepcopy(model)
+    build_strategy("sqrtn").apply(model, ["layers"])
+    x = torch.randn(2, 4)
+    recompute._warned.discard(CacheLayer.__qualname__)
+    cache: list = []
+    with pytest.warns(UserWarning, match=r"CacheLayer at 'layers\.0'.*layer_past=None, "
+                                         r"use_cache=False"):
+        out = model.train()(x, cache)
+    out.sum().backward()
+    assert cache == []  # nothing appended, neither in the forward nor in the recompute
+    ref_cache: list = []
+    torch.testing.assert_close(out, ref.train()(x, ref_cache))
+    assert len(ref_cache) == 4
+    with torch.no_grad():
+        model.eval()(x, cache)
+    assert len(cache) == 4  # eval: the strategy does nothing, the cache fills
+
+
+# --- errors name the unit -------------------------------------------------------------
+
+
+class Router(nn.Module):
+    """A data-dependent branch that flips between forward and recompute (a router)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small, self.big = nn.Linear(4, 4), nn.Linear(4, 16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls % 2:
+            return self.small(x).relu()
+        return self.big(x).relu()[:, :4]
+
+
+def test_a_recompute_that_differs_from_the_forward_names_the_unit():
+    model = nn.Sequential(nn.Linear(4, 4), Router())
+    build_strategy("full").apply(model, ["1"])
+    out = model.train()(torch.randn(2, 4))
+    with pytest.raises(RecomputeError, match=r"recomputing '1' \(strategy 'full'\).*router"):
+        out.sum().backward()
+
+
+def test_an_input_changed_in_place_after_the_forward_names_the_unit():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    build_strategy("full").apply(model, ["1"])
+    model.train()
+    h = model[0](torch.randn(2, 4))
+    out = model[1](h)
+    h.add_(1)  # changes the kept input of unit '1' after its forward call
+    with pytest.raises(RecomputeError, match=r"input.*of the recomputed unit '1\.0'.*in place"):
+        out.sum().backward()
+
+
+# --- autocast -------------------------------------------------------------------------
+
+
+class Tied(nn.Module):
+    """An embedding whose weight the head uses again (cast once before the stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.teacher = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.blocks[0](x)  # a no_grad pass casts the stage's weight first
+        h = self.embed(x)
+        h = self.blocks(h)
+        return F.linear(h, self.embed.weight)
+
+
+@pytest.mark.parametrize("policy", ["matmul", "attention"])
+def test_selective_under_autocast_with_weights_cast_before_the_stage(policy):
+    torch.manual_seed(0)
+    base = Tied()
+    x = torch.randn(4, 8)
+    results = []
+    for strategy in (build_strategy("none"), build_strategy("selective", policy=policy)):
+        model = copy.deepcopy(base).train()
+        strategy.apply(model, ["blocks.*"])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().mean().backward()
+        results.append({n: p.grad.float() for n, p in model.named_parameters()
+                        if p.grad is not None})
+    assert results[1].keys() == results[0].keys()
+    for key, grad in results[0].items():
+        torch.testing.assert_close(results[1][key], grad, rtol=2e-2, atol=2e-2, msg=key)
+
+
+# --- peak memory ----------------------------------------------------------------------
+
+
+class ConvBNReLU(nn.Module):
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)), inplace=True)
+        return F.relu(self.b2(self.c2(y)) + x)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: int = 64) -> None:
+        super().__init__()
+        self.f1, self.f2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        return x + self.f2(F.gelu(self.f1(x)))
+
+
+BLOCK_KINDS = {
+    "conv_bn_relu": (lambda: nn.Sequential(nn.Conv2d(3, 16, 3, padding=1),
+                                           nn.Sequential(*[ConvBNReLU() for _ in range(4)])),
+                     lambda: torch.randn(4, 3, 32, 32), ["1"]),
+    "transformer_fused": (lambda: TinyGPT(width=64, depth=4, p=0.1, attn_p=0.0),
+                          lambda: torch.randn(4, 64, 64), ["blocks"]),
+    "transformer_math": (lambda: TinyGPT(width=64, depth=4, p=0.1, attn_p=0.1),
+                         lambda: torch.randn(4, 64, 64), ["blocks"]),
+    "mlp": (lambda: nn.Sequential(nn.Linear(64, 64), nn.Sequential(*[MLP() for _ in range(4)])),
+            lambda: torch.randn(4, 64, 64), ["1"]),
+}
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_no_strategy_raises_peak_memory_above_none(kind):
+    make, make_input, stages = BLOCK_KINDS[kind]
+    torch.manual_seed(0)
+    base, x = make(), make_input()
+    peaks = {}
+    for name, overrides in [("none", {}), *STRATEGIES]:
+        model = copy.deepcopy(base).train()
+        build_strategy(name, **overrides).apply(model, stages)
+        model(x).sum().backward()  # a first step: buffers learned, nothing lazy left
+        model.zero_grad(set_to_none=True)
+        with PeakMemory("cpu", modules=[model]) as peak:
+            model(x).square().mean().backward()
+        peaks[f"{name}{overrides}"] = peak.peak_bytes
+    none = peaks.pop("none{}")
+    above = {k: round(v / none, 3) for k, v in peaks.items() if v > none}
+    assert not above, above
+
+
+def test_unwrap_all_leaves_no_trace(gpt):
+    model = copy.deepcopy(gpt)
+    for name, overrides in STRATEGIES:
+        build_strategy(name, **overrides).apply(model, ["blocks"])
+        assert unwrap_all(model) > 0
+        assert not any("forward" in vars(m) or "_remat_wrap" in vars(m) for m in model.modules())
+        assert not model._forward_hooks

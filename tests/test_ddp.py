@@ -21,14 +21,17 @@ def _single_process_grads(strategy: str, samples: int) -> dict[str, torch.Tensor
     return {n: p.grad for n, p in module.named_parameters()}
 
 
-@pytest.mark.parametrize("strategy,accumulate", [("none", 1), ("full", 1), ("sqrtn", 2),
-                                                 ("every_k", 2), ("selective", 2),
-                                                 ("offload", 1)])
-def test_ddp_gradients_equal_on_ranks_and_to_full_batch(tmp_path, strategy, accumulate):
+@pytest.mark.parametrize("strategy,accumulate,launcher", [
+    ("none", 1, "ddp"), ("full", 1, "ddp"), ("sqrtn", 2, "ddp"), ("every_k", 2, "ddp"),
+    ("selective", 2, "ddp"), ("offload", 1, "ddp"),
+    # ddp_spawn pickles the wrapped module into each process
+    ("sqrtn", 1, "ddp_spawn"), ("selective", 1, "ddp_spawn"), ("offload", 1, "ddp_spawn")])
+def test_ddp_gradients_equal_on_ranks_and_to_full_batch(tmp_path, strategy, accumulate,
+                                                        launcher):
     path = os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(accumulate), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(accumulate), str(tmp_path),
+                           launcher], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0 = torch.load(tmp_path / "rank0.pt")
     rank1 = torch.load(tmp_path / "rank1.pt")

@@ -57,7 +57,6 @@ from remat.measure.trace import (  # noqa: F401 - part of this module's interfac
     meta_clone,
     trace_step,
 )
-from remat.strategies import CompileBudget
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +187,15 @@ def build_from_config(cfg: DictConfig
     return build, size_key, batch_size, size
 
 
+def _strategy_traceable(cfg: DictConfig) -> bool:
+    """The configured strategy's ``traceable`` capability (a config that does not build is
+    left to the trace, which reports it)."""
+    try:
+        return bool(getattr(instantiate(cfg.strategy), "traceable", True))
+    except Exception:  # noqa: BLE001 - the trace reports a broken strategy config
+        return True
+
+
 def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     """Estimate the peak memory of one training step of the configured run.
 
@@ -206,12 +214,14 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     device = resolve_device(str(cfg.get("device", "auto")))
     precision = str(cfg.precision)
     target = str(cfg.strategy.get("_target_", ""))
-    if target.endswith(CompileBudget.__name__) and fake:
+    if fake and not _strategy_traceable(cfg):
+        name = target.rsplit(".", 1)[-1]
         raise NotTraceable(
-            "estimate: strategy 'compile' cannot be estimated: torch.compile does not compile "
-            "while MemTracker's dispatch mode is active, so a trace would show the eager "
-            "model rather than what the compiler's partitioner keeps. Measure it on the "
-            "device instead (python -m remat.bench ... 'strategies=[none,compile]')")
+            f"estimate: strategy {name} cannot be estimated: its work happens in compiled "
+            "code, and torch.compile does not compile while MemTracker's dispatch mode is "
+            "active, so a trace would show the eager model rather than what the compiler's "
+            "partitioner keeps. Measure it on the device instead (python -m remat.bench ... "
+            "'strategies=[none,compile]')")
     start = time.perf_counter()
     try:
         strategy, peak = trace_step(build, batch_size, size, device, precision, fake)

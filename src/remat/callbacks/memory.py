@@ -8,7 +8,6 @@ import lightning as L
 import torch
 
 from remat.measure import PeakMemory
-from remat.strategies import CompileBudget
 
 
 class PeakMemoryMonitor(L.Callback):
@@ -60,9 +59,9 @@ class PeakMemoryMonitor(L.Callback):
                              batch: Any, batch_idx: int) -> None:
         if self.tracked >= self.track_batches or self.skipped_reason:
             return
-        if pl_module.device.type != "cuda" and isinstance(getattr(pl_module, "strategy", None),
-                                                          CompileBudget):
-            # torch.compile refuses to trace while MemTracker's dispatch mode is active
+        strategy = getattr(pl_module, "strategy", None)
+        if pl_module.device.type != "cuda" and not getattr(strategy, "measurable_on_cpu", True):
+            # e.g. torch.compile refuses to trace while MemTracker's dispatch mode is active
             self.skipped_reason = ("not measured: the CPU tracker (MemTracker) cannot run "
                                    "while torch.compile traces the compiled stages")
             self.tracked = self.track_batches

@@ -76,14 +76,14 @@ class RunReport(L.Callback):
     def _estimate(self, trainer: L.Trainer, pl_module: L.LightningModule
                   ) -> tuple[dict[str, Any] | None, str | None]:
         from remat.measure.trace import Estimate, materialize, meta_clone, trace_step
-        from remat.strategies import CompileBudget
 
         shape = _batch_shape(trainer)
         if shape is None:
             return None, ("the datamodule has no integer batch_size and image_size, "
                           "patch_size or block_size")
-        if isinstance(pl_module.strategy, CompileBudget):
-            return None, "strategy compile cannot be traced under FakeTensorMode"
+        if not getattr(pl_module.strategy, "traceable", True):
+            return None, (f"strategy {pl_module.strategy.name} cannot be traced under "
+                          "FakeTensorMode")
         # The run's own module, copied with meta tensors: same network (also a ready `net`
         # that is not in the hyperparameters), strategy wrappers, vocabulary, tied weights.
         try:

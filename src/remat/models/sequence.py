@@ -113,6 +113,7 @@ class SequenceModule(StrategyModule):
     def on_fit_start(self) -> None:
         """Check that the data's vocabulary fits the model (after a checkpoint's vocabulary
         was restored)."""
+        super().on_fit_start()
         datamodule = getattr(self.trainer, "datamodule", None)
         data_vocab = getattr(datamodule, "vocab_size", None)
         if data_vocab is not None and data_vocab != self.hparams.vocab_size:

@@ -110,6 +110,11 @@ class CheckpointStrategy:
         """Restore the original behaviour of every module of ``model`` remat wrapped."""
         wrapping.unwrap_all(model)
 
+    def preflight(self, model: nn.Module) -> None:
+        """Check, before training starts (after the trainer has set the model up, e.g.
+        converted BatchNorm to SyncBatchNorm), what the wrapping cannot do; raise a clear
+        error naming the module. Default: nothing to check."""
+
     def verify(self, model: nn.Module) -> None:
         """Check, after one training forward, that the wrapping is on the code path used.
 

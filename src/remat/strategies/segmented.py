@@ -23,7 +23,7 @@ from torch import nn
 
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
-from remat.strategies.recompute import ChainPlan, run_recomputed
+from remat.strategies.recompute import ChainPlan, refuse_sync_batchnorm, run_recomputed
 
 CHAIN_TYPES = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -76,6 +76,17 @@ class RecomputeStrategy(CheckpointStrategy):
             wrapping.install(module, wrapping.Wrap(self, path, self.run))
             report.segments[path] = [(0, 1)]
             report.wrapped.append(path)
+
+    def preflight(self, model: nn.Module) -> None:
+        """Refuse a recomputed unit holding a SyncBatchNorm that would sync twice.
+
+        Raises:
+            StageError: names the SyncBatchNorm module (see
+                :func:`~remat.strategies.recompute.refuse_sync_batchnorm`).
+        """
+        for _, module, wrap in wrapping.wraps_of(model):
+            if wrap.owner is self and self.recomputes:
+                refuse_sync_batchnorm(module, wrap.path)
 
     def run(self, module: nn.Module, wrap: wrapping.Wrap, forward: Callable[..., Any],
             args: tuple, kwargs: dict) -> Any:

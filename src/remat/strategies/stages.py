@@ -5,10 +5,9 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
+from typing import Any
 
 from torch import nn
-
-CHAIN_TYPES = (nn.Sequential, nn.ModuleList)
 
 
 class StageError(ValueError):
@@ -21,6 +20,23 @@ def _matches(pattern: str, name: str) -> bool:
     return len(p_parts) == len(n_parts) and all(
         fnmatchcase(n, p) for p, n in zip(p_parts, n_parts, strict=True)
     )
+
+
+def as_stage_list(stages: Any) -> list[str]:
+    """``stages`` as a list of paths: a bare string is one path; ``None`` is no stage.
+
+    Raises:
+        StageError: ``stages`` is neither a string nor an iterable of strings.
+    """
+    if stages is None:
+        return []
+    if isinstance(stages, str):
+        return [stages]
+    try:
+        return list(stages)
+    except TypeError:
+        raise StageError(f"stages must be a dotted module path or a list of them (e.g. "
+                         f"[encoder.layer1, encoder.layer2]), got {stages!r}") from None
 
 
 def resolve_stages(model: nn.Module, stages: Iterable[str]) -> list[tuple[str, nn.Module]]:
@@ -38,8 +54,7 @@ def resolve_stages(model: nn.Module, stages: Iterable[str]) -> list[tuple[str, n
         StageError: a pattern matches no module (the message lists close names), or one
             matched stage lies inside another (nested checkpointing would recompute twice).
     """
-    if isinstance(stages, str):
-        stages = [stages]
+    stages = as_stage_list(stages)
     named = dict(model.named_modules())
     named.pop("", None)
     order = {name: i for i, name in enumerate(named)}
@@ -66,19 +81,3 @@ def resolve_stages(model: nn.Module, stages: Iterable[str]) -> list[tuple[str, n
                     f"stage '{inner}' lies inside stage '{outer}'; list one or the other"
                 )
     return [(name, found[name]) for name in names]
-
-
-def require_chain(path: str, module: nn.Module, strategy: str) -> None:
-    """Raise :class:`StageError` unless ``module`` is a chain (Sequential or ModuleList)."""
-    if isinstance(module, CHAIN_TYPES):
-        return
-    chains = [
-        f"{path}.{name}" for name, child in module.named_children()
-        if isinstance(child, CHAIN_TYPES)
-    ]
-    hint = (f"; its chain children are: {', '.join(chains[:8])}" if chains
-            else "; list the chains inside it instead")
-    raise StageError(
-        f"strategy '{strategy}' splits chains into segments, but stage '{path}' is a "
-        f"{type(module).__name__}, not an nn.Sequential or nn.ModuleList{hint}"
-    )

@@ -187,13 +187,14 @@ def build_from_config(cfg: DictConfig
     return build, size_key, batch_size, size
 
 
-def _strategy_traceable(cfg: DictConfig) -> bool:
-    """The configured strategy's ``traceable`` capability (a config that does not build is
-    left to the trace, which reports it)."""
+def _untraceable_strategy(cfg: DictConfig) -> str | None:
+    """The configured strategy's name if it says it cannot be traced (``traceable``), else
+    ``None`` (a config that does not build is left to the trace, which reports it)."""
     try:
-        return bool(getattr(instantiate(cfg.strategy), "traceable", True))
+        strategy = instantiate(cfg.strategy)
     except Exception:  # noqa: BLE001 - the trace reports a broken strategy config
-        return True
+        return None
+    return None if getattr(strategy, "traceable", True) else strategy.name
 
 
 def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
@@ -214,10 +215,10 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     device = resolve_device(str(cfg.get("device", "auto")))
     precision = str(cfg.precision)
     target = str(cfg.strategy.get("_target_", ""))
-    if fake and not _strategy_traceable(cfg):
-        name = target.rsplit(".", 1)[-1]
+    name = _untraceable_strategy(cfg) if fake else None
+    if name is not None:
         raise NotTraceable(
-            f"estimate: strategy {name} cannot be estimated: its work happens in compiled "
+            f"estimate: strategy '{name}' cannot be estimated: its work happens in compiled "
             "code, and torch.compile does not compile while MemTracker's dispatch mode is "
             "active, so a trace would show the eager model rather than what the compiler's "
             "partitioner keeps. Measure it on the device instead (python -m remat.bench ... "

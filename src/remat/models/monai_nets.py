@@ -1,10 +1,10 @@
-"""MONAI networks as segmentation ``net``\\ s (``monai.networks.nets``, random init).
+"""MONAI networks as segmentation nets (``monai.networks.nets``, random init).
 
 :class:`SwinUNETR2D` is MONAI's ``SwinUNETR`` (Hatamizadeh et al. 2022, arXiv 2201.01266)
 with ``spatial_dims=2``: a Swin transformer encoder of four stages (shifted-window attention,
 patch merging) and a U-Net-like convolutional decoder. The strategy wraps each stage's Swin
 blocks, ``swinViT.layers1.0.blocks`` ... ``swinViT.layers4.0.blocks`` (glob
-``swinViT.layers*.0.blocks``): ``nn.ModuleList``\\ s the stage walks as
+``swinViT.layers*.0.blocks``): ``nn.ModuleList``s that the stage walks as
 ``x = blk(x, attn_mask)``.
 """
 

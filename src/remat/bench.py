@@ -39,6 +39,7 @@ import csv
 import json
 import logging
 import platform
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -573,7 +574,8 @@ def reference_rows(base: L.LightningModule, stages: Sequence[str]
         try:
             strategy.apply(copy.deepcopy(base.net), list(stages))
         except StageError as err:
-            notes.append(f"reference {name} skipped: {err}")
+            reason = re.split(r" \(checked|; ", str(err))[0]  # the first clause says why
+            notes.append(f"reference {name} skipped: {reason}")
             continue
         rows[name] = type(strategy)()
     return rows, notes

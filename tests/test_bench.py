@@ -7,8 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from remat.bench import TorchCheckpointSequential, _sizes, bench, format_table, run_benchmark
+import remat.bench as bench_module
+from remat.bench import (
+    DeviceSlot,
+    HFGradientCheckpointing,
+    ProfilerPeakMemory,
+    TorchCheckpointSequential,
+    _sizes,
+    _step,
+    bench,
+    format_table,
+    run_benchmark,
+)
+from remat.measure import PeakMemory
 from remat.models import SegmentationModule, SequenceModule
 from remat.strategies import StageError, build_strategy
 from tests.helpers import compose_config
@@ -146,3 +159,216 @@ def test_torch_checkpoint_sequential_reference_matches_and_saves_memory():
 def test_torch_reference_needs_sequential_stages():
     with pytest.raises(StageError, match="needs nn.Sequential stages"):
         TorchCheckpointSequential().apply(_gpt(2).net, ["blocks.0"])
+
+
+# --- one model on the device at a time (issue 10 item 11) -----------------------------------
+
+class _FakeDeviceSlot(DeviceSlot):
+    """A stand-in device on the CPU: a model 'on the device' holds float64 tensors, one on
+    the host float32; gradient copies kept on the host are float32. Remembers every model
+    and copy it saw, so a check can look at all of them while a row is measured."""
+
+    def __init__(self):
+        super().__init__("cpu", swap=True)
+        self.models, self.kept, self.checks = [], [], 0
+
+    def _move_in(self, model):
+        if model not in self.models:
+            self.models.append(model)
+        model.double()
+
+    def _move_out(self, model):
+        model.float()
+
+    def _to_home(self, tensor):
+        copy = tensor.float().clone()
+        self.kept.append(copy)
+        return copy
+
+    def check_one_resident(self):
+        on_device = [m for m in self.models
+                     if any(p.dtype == torch.float64 for p in m.parameters())]
+        assert on_device == [self.resident], "another row's model is on the device"
+        assert all(p.grad is None or p.grad.dtype == torch.float64
+                   for p in self.resident.parameters())
+        assert all(t.dtype == torch.float32 for t in self.kept), "a gradient copy is on it"
+        self.checks += 1
+
+
+def test_on_a_swapping_device_each_row_runs_alone_with_no_gradient_copy_beside_it(
+        monkeypatch):
+    slot = _FakeDeviceSlot()
+    real_peak, real_start = bench_module.PeakMemory, bench_module.StepTimer.start
+
+    def peak(*args, **kwargs):
+        slot.check_one_resident()
+        return real_peak(*args, **kwargs)
+
+    def start(self):
+        slot.check_one_resident()
+        real_start(self)
+
+    monkeypatch.setattr(bench_module, "PeakMemory", peak)
+    monkeypatch.setattr(bench_module.StepTimer, "start", start)
+    base = _gpt(2, 16, 32)
+    batch = base.example_batch(2, 32, torch.Generator().manual_seed(0))
+    rows = run_benchmark(base, ["blocks"], {n: build_strategy(n) for n in ("none", "full")},
+                         batch, warmup=1, steps=2, slot=slot)
+    assert slot.checks == 2 + 2 * 3  # one peak per row, then every timed or warm-up step
+    assert len(slot.models) == 2 and slot.resident is None  # all back on the host
+    assert all(p.dtype == torch.float32 for m in slot.models for p in m.parameters())
+    assert all(r.grads_match for r in rows), format_table(rows)
+
+
+def test_cpu_rows_are_the_same_with_and_without_moving_models(monkeypatch):
+    base = _gpt(2, 16, 32)
+    batch = base.example_batch(2, 32, torch.Generator().manual_seed(0))
+    strategies = {n: build_strategy(n) for n in ("none", "full", "sqrtn")}
+    stay = run_benchmark(base, ["blocks"], strategies, batch, warmup=0, steps=1)
+    moved = run_benchmark(base, ["blocks"], strategies, batch, warmup=0, steps=1,
+                          slot=DeviceSlot("cpu", swap=True))
+    assert [r.peak_bytes for r in stay] == [r.peak_bytes for r in moved]
+    assert [r.max_grad_diff for r in stay] == [r.max_grad_diff for r in moved] == [0.0] * 3
+    assert stay[1].peak_bytes < stay[0].peak_bytes
+    empties = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: empties.append(1))
+    slot = DeviceSlot("cuda")  # the CUDA default swaps and empties the cache on each move
+    assert slot.swap and slot.home == torch.device("cpu")
+    assert not DeviceSlot("cpu").swap and DeviceSlot("cpu").home == torch.device("cpu")
+    model = torch.nn.Linear(2, 2)
+    slot.resident = model
+    slot._move_out = lambda m: None
+    slot.unload()
+    assert empties == [1] and slot.resident is None
+
+
+# --- reference rows ------------------------------------------------------------------------
+
+def test_reference_rows_that_cannot_apply_are_skipped_with_a_note(tmp_path, capsys):
+    cfg = compose_config("bench", tmp_path, [
+        "model=unet_resnet18", "model.arch_kwargs.decoder_channels=[16,16,8,8,8]",
+        "model.stages=[encoder.layer4,decoder.blocks]", "data.batch_size=2",
+        "data.image_size=32", "strategies=[none,full]", "warmup=0", "steps=1", "device=cpu"])
+    record = bench(cfg)
+    assert [r["strategy"] for r in record["rows"]] == ["none", "full"]
+    assert all(r["grads_match"] for r in record["rows"])
+    out = capsys.readouterr().out
+    assert ("note: reference torch_checkpoint_sequential skipped: torch_checkpoint_sequential "
+            "needs nn.Sequential stages: 'decoder.blocks' is a ModuleList") in out
+    assert "note: reference hf_gradient_checkpointing skipped" in out
+    assert any("torch_checkpoint_sequential skipped" in n for n in record["notes"])
+
+
+def _llama_module(layers=2):
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attention_dropout=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    return SequenceModule(vocab_size=64, block_size=64, net=net, stages=["model.layers"])
+
+
+def test_hf_reference_row_is_hfs_own_checkpointing_and_remove_undoes_it():
+    module = _llama_module(3)
+    strategy = HFGradientCheckpointing()
+    report = strategy.apply(module.net, ["model.layers"])
+    assert report.wrapped == [f"model.layers.{i}" for i in range(3)]
+    assert report.segments == {"model.layers": [(0, 1), (1, 2), (2, 3)]}
+    assert module.net.is_activation_checkpointing
+    assert all(layer.gradient_checkpointing for layer in module.net.model.layers)
+    assert module.net.model.layers[0]._gradient_checkpointing_func.keywords == {
+        "use_reentrant": False}
+    strategy.remove(module.net)
+    assert not module.net.is_activation_checkpointing
+    assert not hasattr(module.net, "_require_grads_hook")
+    with pytest.raises(StageError, match="needs a Hugging Face PreTrainedModel holding "
+                                         "stage 'blocks'"):
+        strategy.apply(_gpt(2).net, ["blocks"])
+    with pytest.raises(StageError, match="holds no layer Hugging Face checkpoints"):
+        strategy.apply(module.net, ["model.embed_tokens"])
+
+
+def test_hf_reference_row_matches_gradients_and_saves_memory():
+    base = _llama_module(4)
+    batch = base.example_batch(2, 64, torch.Generator().manual_seed(0))
+    rows = run_benchmark(base, ["model.layers"],
+                         {"none": build_strategy("none"), "full": build_strategy("full"),
+                          "hf": HFGradientCheckpointing()}, batch, warmup=0, steps=1)
+    by = {r.strategy: r for r in rows}
+    assert all(r.grads_match for r in rows), format_table(rows)  # dropout masks replayed
+    assert by["hf"].peak_ratio < 1.0
+    assert by["hf"].peak_bytes == pytest.approx(by["full"].peak_bytes, rel=0.05)
+
+
+HF_LLAMA_TINY = ["model=hf_llama", "model.net.config.hidden_size=32",
+                 "model.net.config.intermediate_size=64", "model.net.config.num_hidden_layers=3",
+                 "model.net.config.num_attention_heads=4", "model.net.config.num_key_value_heads=2",
+                 "data.batch_size=1", "data.block_size=64", "warmup=0", "steps=1", "device=cpu"]
+
+
+def test_bench_hf_llama_prints_rows_beside_the_hf_reference(tmp_path, capsys):
+    cfg = compose_config("bench", tmp_path, [*HF_LLAMA_TINY, "strategies=[none,full]"])
+    rows = bench(cfg)["rows"]
+    assert [r["strategy"] for r in rows] == ["none", "full", "hf_gradient_checkpointing"]
+    assert all(r["grads_match"] for r in rows)
+    assert all(r["peak_bytes"] < rows[0]["peak_bytes"] for r in rows[1:])
+    out = capsys.readouterr().out
+    assert "hf_gradient_checkpointing" in out and "timm_set_grad_checkpointing skipped" in out
+
+
+# --- compiled rows -------------------------------------------------------------------------
+
+def test_profiler_peak_equals_memtracker_on_an_eager_step():
+    for strategy in ("none", "full"):
+        base = _gpt(2, 32, 64)
+        build_strategy(strategy).apply(base.net, ["blocks"])
+        batch = base.example_batch(2, 64, torch.Generator().manual_seed(0))
+        _step(base, batch, torch.device("cpu"), "32-true")  # warm-up
+        base.zero_grad(set_to_none=True)
+        with PeakMemory("cpu", modules=[base]) as tracked:
+            _step(base, batch, torch.device("cpu"), "32-true")
+        base.zero_grad(set_to_none=True)
+        with ProfilerPeakMemory("cpu", modules=[base]) as profiled:
+            _step(base, batch, torch.device("cpu"), "32-true")
+        assert profiled.peak_bytes == pytest.approx(tracked.peak_bytes, rel=0.01), strategy
+        params = sum(p.numel() * 4 for p in base.parameters())
+        assert profiled.peak_bytes > 2 * params  # parameters, gradients and activations
+
+
+def test_compiled_rows_are_measured_on_the_compiled_model(monkeypatch):
+    calls = []
+    real = torch.nn.Module.compile
+
+    def compile_spy(self, *args, **kwargs):
+        calls.append(kwargs.get("backend"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_spy)
+    base = _gpt(2, 16, 32)
+    batch = base.example_batch(2, 32, torch.Generator().manual_seed(0))
+    rows = run_benchmark(base, ["blocks"], {"none": build_strategy("none")}, batch,
+                         warmup=1, steps=1, compile_backend="aot_eager")
+    assert calls == ["aot_eager"]
+    (row,) = rows
+    assert row.strategy == "none (compiled, aot_eager)" and row.compiled == "aot_eager"
+    assert row.peak_method == "torch.profiler" and row.peak_ratio == 1.0
+    assert row.grads_match and row.max_grad_diff < 1e-5  # against eager none
+    assert row.peak_bytes > 2 * sum(p.numel() * 4 for p in base.parameters())
+
+
+def test_bench_compiled_option_adds_rows_and_notes_rows_that_fail_to_compile(tmp_path):
+    cfg = compose_config("bench", tmp_path, [
+        "model=gpt_tiny", "model.n_layer=2", "model.n_embd=16", "model.n_head=2",
+        "data.batch_size=1", "data.block_size=32", "strategies=[none]",
+        "reference_points=false", "warmup=0", "steps=1", "device=cpu", "compiled=true",
+        "compile_backend=aot_eager", "compile_strategies=[none]"])
+    record = bench(cfg)
+    assert [r["strategy"] for r in record["rows"]] == ["none", "none (compiled, aot_eager)"]
+    assert record["compiled"] and record["compile_backend"] == "aot_eager"
+    assert record["rows"][1]["grads_match"] and record["rows"][1]["peak_ratio"] == 1.0
+    assert (tmp_path / "bench.csv").read_text().splitlines()[2].endswith(
+        "aot_eager,torch.profiler")
+    cfg = compose_config("bench", tmp_path, ["model=gpt_tiny", "compiled=true",
+                                             "compile_strategies=[full]", "device=cpu"])
+    with pytest.raises(ValueError, match="compile_strategies must include 'none'"):
+        bench(cfg)

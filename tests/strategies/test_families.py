@@ -11,67 +11,26 @@ from __future__ import annotations
 import copy
 
 import pytest
-import segmentation_models_pytorch as smp
-import timm
 import torch
 
-from remat.models.gpt import GPT
-from remat.models.vit_seg import ViTSegmenter
 from remat.strategies import build_strategy
 from tests.strategies.common import count_calls
+from tests.strategies.families import build
 
 STRATEGIES = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}),
               ("selective", {"policy": "matmul"}), ("selective", {"policy": "attention"}),
               ("offload", {}), ("offload", {"segments": "sqrtn"})]
 
 
-def _unet_resnet():
-    model = smp.Unet("resnet18", encoder_weights=None, classes=1,
-                     decoder_channels=(32, 16, 16, 8, 8))
-    return model, ["encoder.layer*"], lambda: torch.randn(2, 3, 32, 32)
-
-
-def _unet_timm():
-    model = smp.Unet("tu-convnext_atto", encoder_weights=None, classes=1,
-                     decoder_channels=(32, 16, 16, 8, 8))
-    return model, ["encoder.model.stages_*.blocks"], lambda: torch.randn(2, 3, 32, 32)
-
-
-def _vit():
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
-                              patch_size=8, depth=4, embed_dim=48, num_heads=3, num_classes=3,
-                              drop_rate=0.1, drop_path_rate=0.2, proj_drop_rate=0.1)
-    return model, ["blocks"], lambda: torch.randn(2, 3, 32, 32)
-
-
-def _gpt():
-    model = GPT(vocab_size=50, block_size=32, n_layer=5, n_head=4, n_embd=32, dropout=0.2)
-    return model, ["blocks"], lambda: torch.randint(0, 50, (2, 32))
-
-
-def _gpt_rotary():
-    model = GPT(vocab_size=50, block_size=32, n_layer=5, n_head=4, n_embd=32, dropout=0.2,
-                pos_embedding="rotary")
-    return model, ["blocks"], lambda: torch.randint(0, 50, (2, 32))
-
-
-def _vit_seg():
-    model = ViTSegmenter(img_size=32, patch_size=8, embed_dim=24, depth=4, num_heads=2,
-                         decoder_channels=(8, 8, 4), drop_rate=0.1, drop_path_rate=0.2)
-    return model, ["encoder.blocks"], lambda: torch.randn(2, 3, 32, 32)
-
-
-FAMILIES = {"unet_resnet": _unet_resnet, "unet_timm": _unet_timm, "vit": _vit, "gpt": _gpt,
-            "gpt_rotary": _gpt_rotary, "vit_seg": _vit_seg}
+# the families of this matrix (tests/strategies/families.py builds these and more)
+FAMILIES = ["unet_resnet", "unet_timm", "vit", "gpt", "gpt_rotary", "vit_seg"]
 _CACHE: dict[str, tuple] = {}
 
 
 def _family(name):
     if name not in _CACHE:
-        torch.manual_seed(0)
-        model, stages, make_input = FAMILIES[name]()
-        torch.manual_seed(1)
-        _CACHE[name] = (model, stages, make_input())
+        family = build(name)
+        _CACHE[name] = (family.model, family.stages, family.make_input().args[0])
     model, stages, x = _CACHE[name]
     return copy.deepcopy(model), stages, x
 

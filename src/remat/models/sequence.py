@@ -1,4 +1,5 @@
-"""LightningModule for next-token language modelling with :class:`remat.models.gpt.GPT`."""
+"""LightningModule for next-token language modelling: remat's :class:`~remat.models.gpt.GPT`
+or a ready causal LM (e.g. a Hugging Face ``LlamaForCausalLM`` built from a config)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from remat.models.base import StrategyModule
 from remat.models.checks import require_keys
 from remat.models.gpt import GPT
+from remat.models.hf import causal_lm_logits, config_vocab_size, is_hf_model
 from remat.strategies import CheckpointStrategy
 
 log = logging.getLogger(__name__)
@@ -48,9 +51,44 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ste
     return LambdaLR(optimizer, factor)
 
 
+def sample_tokens(logits_fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
+                  new_tokens: int, block_size: int, temperature: float = 1.0,
+                  top_k: int | None = None,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample ``new_tokens`` tokens after the prompt ``idx`` ``[B, T0]`` (int64).
+
+    Each step runs ``logits_fn`` (``[B, T]`` -> ``[B, T, vocab]``) on the last
+    ``block_size`` tokens (no key/value cache) and samples from ``softmax(logits /
+    temperature)``, restricted to the ``top_k`` likeliest when given, with ``generator``
+    (so the global RNG is not consumed). The same loop as :meth:`GPT.generate`, for any
+    network. Returns ``[B, T0 + new_tokens]``. Call with the network in ``eval()`` mode.
+
+    Raises:
+        ValueError: ``temperature <= 0``, ``top_k < 1`` or ``block_size < 1``.
+    """
+    if temperature <= 0 or (top_k is not None and top_k < 1) or block_size < 1:
+        raise ValueError(f"sampling needs temperature > 0, top_k >= 1 or None and "
+                         f"block_size >= 1, got {temperature}, {top_k}, {block_size}")
+    for _ in range(new_tokens):
+        logits = logits_fn(idx[:, -block_size:])[:, -1].float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    return idx
+
+
 class SequenceModule(StrategyModule):
     """Causal language model on ``{"tokens": int64 [B, T+1]}`` batches (inputs and shifted
     targets in one window).
+
+    The network is remat's :class:`GPT` built from ``n_layer``, ``n_head``, ... or, when
+    ``net`` is given, that ready network, the way :class:`SegmentationModule` takes a ready
+    ``net``: any module mapping tokens ``[B, T]`` to logits ``[B, T, vocab_size]``, or a
+    Hugging Face causal LM (``transformers.PreTrainedModel`` with a ``*ForCausalLM`` head),
+    which is called as ``net(input_ids=tokens, use_cache=False)`` and read at ``.logits``
+    (:func:`remat.models.hf.causal_lm_logits`; no key/value cache in training or sampling).
 
     Loss: mean cross-entropy in nats per token. Logged: ``train/loss``, ``val/loss`` and
     ``val/bpc`` = ``val/loss / ln 2`` (bits per character for character- or byte-level data).
@@ -59,9 +97,14 @@ class SequenceModule(StrategyModule):
     (``decode``), logged and written to ``<trainer.default_root_dir>/samples/epoch_<n>.txt``.
 
     Args:
-        vocab_size, block_size, n_layer, n_head, n_embd, dropout, pos_embedding: :class:`GPT`
-            arguments (``pos_embedding``: ``learned`` or ``rotary``).
-        stages: stage paths the strategy wraps (default chain: ``blocks``).
+        vocab_size: tokens in the vocabulary (the width of the logits).
+        block_size: context length (tokens) of :meth:`example_batch` and of sampling.
+        n_layer, n_head, n_embd, dropout, pos_embedding: :class:`GPT` arguments
+            (``pos_embedding``: ``learned`` or ``rotary``); ignored when ``net`` is given.
+        net: a ready network used instead of a :class:`GPT` (see above), e.g.
+            ``LlamaForCausalLM(LlamaConfig(...))`` (``configs/model/hf_llama.yaml``).
+        stages: stage paths the strategy wraps (default chain: ``blocks``; a Llama's decoder
+            layers: ``model.layers``).
         strategy: activation checkpointing strategy (default ``none``).
         optimizer: partial optimizer, called with parameter groups (weights decayed, biases
             and norms not).
@@ -73,8 +116,9 @@ class SequenceModule(StrategyModule):
 
     Raises:
         remat.strategies.StageError: a stage matches no module.
-        ValueError: at fit start, the datamodule's ``vocab_size`` differs from
-            ``model.vocab_size``.
+        ValueError: an HF ``net`` whose ``config.vocab_size`` differs from ``vocab_size``
+            (names ``model.net.config.vocab_size``); at fit start, the datamodule's
+            ``vocab_size`` differs from ``model.vocab_size``.
     """
 
     def __init__(self, vocab_size: int = 256, block_size: int = 256, n_layer: int = 4,
@@ -84,17 +128,27 @@ class SequenceModule(StrategyModule):
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, sample_tokens: int = 200,
                  sample_prompt: str = "\n", sample_temperature: float = 0.8,
-                 sample_top_k: int | None = None) -> None:
+                 sample_top_k: int | None = None, net: nn.Module | None = None) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler"])
-        self.wrap_net(GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout,
-                          pos_embedding), stages, strategy)
+        self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler", "net"])
+        if net is None:
+            net = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, pos_embedding)
+        self.hf_net = is_hf_model(net)
+        net_vocab = config_vocab_size(net) if self.hf_net else None
+        if net_vocab is not None and net_vocab != vocab_size:
+            raise ValueError(
+                f"model.net.config.vocab_size={net_vocab} but model.vocab_size={vocab_size}; "
+                "the logits must have one entry per token of the data: set "
+                "model.net.config.vocab_size: ${...vocab_size}")
+        self.wrap_net(net, stages, strategy)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
         self.scheduler_factory = scheduler
         self.last_sample: str | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` int64 -> logits ``[B, T, vocab_size]``."""
+        if self.hf_net:
+            return causal_lm_logits(self.net, tokens)
         return self.net(tokens)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -159,9 +213,10 @@ class SequenceModule(StrategyModule):
         was_training = self.net.training
         self.net.eval()
         try:
-            ids = self.net.generate(prompt, self.hparams.sample_tokens,
-                                    self.hparams.sample_temperature, self.hparams.sample_top_k,
-                                    generator=generator)
+            with torch.no_grad():
+                ids = sample_tokens(self, prompt, self.hparams.sample_tokens,
+                                    self.hparams.block_size, self.hparams.sample_temperature,
+                                    self.hparams.sample_top_k, generator=generator)
         finally:
             self.net.train(was_training)
         return decode(ids[0].tolist())

@@ -66,7 +66,8 @@ class LastCheckpoint(Checkpoint):
     state (weights, optimizer, scheduler, loops, callbacks such as
     :class:`~remat.callbacks.ResumeState`):
 
-    * at the end of every training epoch (after validation),
+    * at the end of every training epoch: after its validation (where ``ModelCheckpoint``
+      saves), or at ``on_train_epoch_end`` when no validation runs then,
     * every ``every_n_train_steps`` optimizer steps if set,
     * when training ends (so its ``global_step`` is the run's last step),
     * on SIGTERM or SIGINT: the signal is held until the current optimizer step is complete
@@ -179,7 +180,21 @@ class LastCheckpoint(Checkpoint):
         if n and trainer.global_step % n == 0 and not last_batch:
             self.save(trainer, "every_n_train_steps")
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the validation at an epoch's end: where ModelCheckpoint saves too, and the point
+        # Lightning resumes from most reliably (also with trainer.max_steps)
+        if trainer.sanity_checking or not trainer.training and trainer.state.fn != "fit":
+            return
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._epoch_end(trainer)
+
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._saved_at is None or self._saved_at[:2] != (trainer.current_epoch,
+                                                            trainer.global_step) \
+                or self._saved_at[2] not in ("epoch_end", "signal"):
+            self._epoch_end(trainer)  # no validation at this epoch's end
+
+    def _epoch_end(self, trainer: L.Trainer) -> None:
         if self.received_signal:
             self._stop(trainer, "epoch_end")
         else:

@@ -64,8 +64,8 @@ class PeakMemoryMonitor(L.Callback):
     def measured(self) -> dict[str, Any]:
         """Which batches were measured: ``batches`` (count), ``optimizer_steps`` (the
         global steps completed by them), ``first``/``last`` (``[epoch, batch_idx]``),
-        ``accumulate_grad_batches``-independent; ``previous_runs`` holds what earlier runs
-        of a resumed training measured (``peak_bytes``, ``optimizer_steps``)."""
+        ``batch_peaks_bytes`` (each batch's peak, in order); ``previous_runs`` holds what
+        earlier runs of a resumed training measured (``peak_bytes``, ``optimizer_steps``)."""
         steps = [int(b["global_step"]) for b in self.batches if b["optimizer_step"]]
         return {
             "batches": len(self.batches),
@@ -74,6 +74,7 @@ class PeakMemoryMonitor(L.Callback):
             if self.batches else None,
             "last": [self.batches[-1]["epoch"], self.batches[-1]["batch_idx"]]
             if self.batches else None,
+            "batch_peaks_bytes": list(self.step_peaks),
             "previous_runs": list(self.history),
         }
 

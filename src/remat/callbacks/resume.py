@@ -67,9 +67,16 @@ class _ResumableSampler(Sampler):
         self.generator = generator
         self.epoch_start: torch.Tensor | None = None
         self.resume: tuple[torch.Tensor | None, int] | None = None
+        self.start: tuple[torch.Tensor | None, dict[str, Any] | None] | None = None
 
     def __iter__(self) -> Iterator[int]:
         skip = 0
+        if self.start is not None:  # first pass after a resume between epochs
+            (state, rng), self.start = self.start, None
+            if state is not None and self.generator is not None:
+                self.generator.set_state(state)
+            if rng is not None:
+                set_rng_state(rng)
         if self.resume is not None:
             (state, skip), self.resume = self.resume, None
             if state is not None and self.generator is not None:
@@ -165,11 +172,23 @@ class ResumeState(L.Callback):
         if self._rng is not None:
             set_rng_state(self._rng)
             self._rng = None
+        self._between_epochs = True
+
+    _between_epochs = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._rng is not None:
             set_rng_state(self._rng)
             self._rng = None
+        if self._between_epochs and self._sampler is not None:
+            # Resuming from a checkpoint taken after an epoch's last batch but before the
+            # epoch ended (e.g. at its validation), Lightning makes an iterator here that it
+            # never reads, then another for the next epoch: the states as they are now,
+            # after the first iterator was made, are the ones the next pass must start from
+            self._between_epochs = False
+            generator = self._sampler.generator
+            self._sampler.start = (generator.get_state() if generator is not None else None,
+                                   rng_state())
 
     # --- checkpoint state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

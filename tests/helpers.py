@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import lightning as L
-
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig

@@ -100,6 +100,17 @@ def _dir(config: DictConfig, key: str) -> str | None:
     return str(value) if value else None
 
 
+def _claim_or_exit(path: str | None) -> None:
+    """Claim ``path``; Hydra turns a callback's ``Exception`` into a warning and goes on, so a
+    folder in use ends the process here (``SystemExit`` with the message, exit code 1)."""
+    if path is None:
+        return
+    try:
+        claim_run_dir(path)
+    except RunDirInUse as err:
+        raise SystemExit(f"error: {err}") from None
+
+
 class RunDirLock(Callback):
     """Hydra callback: claims the run folder (``on_run_start``), the sweep folder
     (``on_multirun_start``) and each job's folder (``on_job_start``) with
@@ -107,24 +118,21 @@ class RunDirLock(Callback):
     run fail before Hydra writes anything into it (exit code 1, the message names it)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if (path := _dir(config, "hydra.run.dir")) is not None:
-            claim_run_dir(path)
+        _claim_or_exit(_dir(config, "hydra.run.dir"))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         if (path := _dir(config, "hydra.run.dir")) is not None:
             release_run_dir(path)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if (path := _dir(config, "hydra.sweep.dir")) is not None:
-            claim_run_dir(path)
+        _claim_or_exit(_dir(config, "hydra.sweep.dir"))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if (path := _dir(config, "hydra.sweep.dir")) is not None:
             release_run_dir(path)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if (path := _dir(config, "hydra.runtime.output_dir")) is not None:
-            claim_run_dir(path)
+        _claim_or_exit(_dir(config, "hydra.runtime.output_dir"))
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if (path := _dir(config, "hydra.runtime.output_dir")) is not None:

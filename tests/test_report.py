@@ -29,6 +29,8 @@ def test_multirun_then_report_gives_four_rows_and_plots(tmp_path):
     assert len(summaries) == 4
     assert all(json.loads(p.read_text())["global_step"] == 3 for p in summaries)
     assert all((p.parent / "checkpoints" / "last.ckpt").is_file() for p in summaries)
+    # the sweep's own Hydra callback (SweepReport) already wrote the report
+    assert (sweep / "report.md").read_text().count("| completed |") == 4
     out = run_python(["-m", "remat.report", str(sweep)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = list(csv.DictReader((sweep / "report.csv").open()))

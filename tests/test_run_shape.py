@@ -17,7 +17,8 @@ from tests.helpers import TINY_TRAINER, compose_train
 
 @pytest.mark.parametrize("data,model,expected", [
     ({"image_size": 256, "batch_size": 4}, {"arch": "Unet"}, ("data.image_size", 256)),
-    ({"patch_size": [512, 256], "batch_size": 2}, {"arch": "Unet"}, ("data.patch_size", (512, 256))),
+    ({"patch_size": [512, 256], "batch_size": 2}, {"arch": "Unet"},
+     ("data.patch_size", (512, 256))),
     ({"patch_size": [128, 128], "batch_size": 2}, {"arch": "Unet"}, ("data.patch_size", 128)),
     ({"block_size": 64, "batch_size": 8}, {"block_size": 128}, ("data.block_size", 64)),
     ({"batch_size": 8}, {"block_size": 128}, ("model.block_size", 128)),

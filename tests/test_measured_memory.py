@@ -31,6 +31,7 @@ def test_measured_peak_covers_optimizer_steps_and_matches_the_estimate(tmp_path,
     assert abs(real - predicted) <= 0.03 * real, (accumulation, real, predicted)
 
 
+@pytest.mark.slow  # ~20 s
 def test_accumulation_raises_the_peak_the_old_two_batch_window_missed(tmp_path):
     """With k=4 the first two batches hold no optimizer state yet: the peak of the steps is
     higher than theirs."""

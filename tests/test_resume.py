@@ -78,7 +78,10 @@ def assert_same_run(reference: Path, resumed: Path, steps: int) -> None:
         assert torch.equal(res["state_dict"][key], value), key
 
 
-@pytest.mark.parametrize("step", [2, 5], ids=["mid-epoch", "last-batch-of-epoch"])
+@pytest.mark.parametrize("step", [
+    pytest.param(2, id="mid-epoch"),
+    pytest.param(5, id="last-batch-of-epoch", marks=pytest.mark.slow),  # ~30 s
+])
 def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, shakespeare_root,
                                                             gpt_reference, step):
     run_dir = tmp_path / "run"
@@ -108,6 +111,7 @@ def unet_reference(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow  # ~40 s each
 @pytest.mark.parametrize("step", [1, 3], ids=["mid-epoch", "last-batch-of-epoch"])
 def test_sigint_then_resume_of_a_shuffled_loader_is_exact(tmp_path, unet_reference, step):
     """The synthetic set's loader shuffles with its own generator; the U-Net's cosine LR

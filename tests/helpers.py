@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import csv
 import os
+import signal as signal_module
 import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -43,9 +46,19 @@ def compose_train(output_dir: Path, overrides: list[str] = ()) -> DictConfig:
     return compose_app("train", output_dir, overrides)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of subprocess runs: this one, warnings off, and the repository on
+    ``PYTHONPATH`` so that configs can name ``tests.helpers`` classes."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path)
+
+
 def run_python(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     """Run ``python <args>`` with this interpreter in ``cwd``; output captured as text."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = subprocess_env()
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -59,3 +72,32 @@ def compose_config(name: str, output_dir: Path, overrides: list[str] = ()) -> Di
     with open_dict(cfg):
         cfg.paths.output_dir = str(output_dir)
     return cfg
+
+
+class SignalAtStep(L.Callback):
+    """Test helper: the process sends ``signal`` to itself when the batch that makes
+    optimizer step ``step + 1`` starts (a signal arriving mid-step, as ``kill`` sends it)."""
+
+    def __init__(self, step: int, signal: str = "SIGTERM") -> None:
+        self.step = step
+        self.signal = getattr(signal_module, signal)
+        self.sent = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: object, batch_idx: int) -> None:
+        if not self.sent and trainer.global_step == self.step:
+            self.sent = True
+            os.kill(os.getpid(), self.signal)
+
+
+def logged(run_dir: Path, key: str) -> dict[int, float]:
+    """``step -> value`` of every ``csv/metrics.csv`` row of ``run_dir`` that logged ``key``
+    (a step logged twice is an error: a resumed run must not repeat steps)."""
+    rows = list(csv.DictReader((Path(run_dir) / "csv" / "metrics.csv").open()))
+    values: dict[int, float] = {}
+    for row in rows:
+        if row.get(key):
+            step = int(row["step"])
+            assert step not in values, f"{key} logged twice at step {step} in {run_dir}"
+            values[step] = float(row[key])
+    return values

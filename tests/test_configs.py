@@ -39,10 +39,10 @@ def test_option_composes_and_instantiates(tmp_path, kvasir_root, group, option):
         model = instantiate(cfg.model, strategy=strategy)
         assert model.strategy_report.stages
     if group in ("trainer", "callbacks", "logger", "debug"):
-        from remat.train import _instantiate_group
+        from remat.train import instantiate_group
 
-        callbacks = _instantiate_group(cfg.get("callbacks"), "callbacks")
-        loggers = _instantiate_group(cfg.get("logger"), "logger")
+        callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
+        loggers = instantiate_group(cfg.get("logger"), "logger")
         if group == "trainer" and option in ("gpu", "ddp"):
             return  # needs GPUs / several processes: composing is what is checked here
         trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)

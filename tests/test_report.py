@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from remat.report import collect, report
 from tests.helpers import run_python
@@ -28,6 +29,8 @@ def test_multirun_then_report_gives_four_rows_and_plots(tmp_path):
     assert len(summaries) == 4
     assert all(json.loads(p.read_text())["global_step"] == 3 for p in summaries)
     assert all((p.parent / "checkpoints" / "last.ckpt").is_file() for p in summaries)
+    # the sweep's own Hydra callback (SweepReport) already wrote the report
+    assert (sweep / "report.md").read_text().count("| completed |") == 4
     out = run_python(["-m", "remat.report", str(sweep)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = list(csv.DictReader((sweep / "report.csv").open()))
@@ -89,10 +92,29 @@ def test_directory_without_runs_is_an_error_naming_it(tmp_path):
     assert proc.returncode == 1 and "is not a directory" in proc.stderr
 
 
-def test_corrupt_summary_names_the_file(tmp_path):
-    job = _job(tmp_path, "0", raw='{"status": "compl')
-    with pytest.raises(ValueError, match=f"{job / 'summary.json'}: corrupt summary.json"):
-        collect(tmp_path)
+def test_broken_files_of_a_full_disk_list_the_job_and_report_the_rest(tmp_path):
+    """A truncated and an empty summary.json, a truncated last.ckpt: those jobs are listed
+    with what is wrong; the sweep's other jobs are reported."""
+    truncated = _job(tmp_path, "0", raw='{"status": "compl')
+    empty = _job(tmp_path, "1", raw="")
+    good = _job(tmp_path, "2", summary=DONE)
+    (good / "checkpoints").mkdir()
+    torch.save({"state_dict": {"w": torch.zeros(64)}}, good / "checkpoints" / "last.ckpt")
+    cut = _job(tmp_path, "3", summary=DONE)
+    (cut / "checkpoints").mkdir()
+    torch.save({"state_dict": {"w": torch.zeros(4096)}}, cut / "checkpoints" / "last.ckpt")
+    data = (cut / "checkpoints" / "last.ckpt").read_bytes()
+    (cut / "checkpoints" / "last.ckpt").write_bytes(data[: len(data) // 2])
+    jobs = {j.job: j for j in report(tmp_path)}
+    assert jobs["0"].status == jobs["1"].status == "unreadable"
+    assert f"{truncated / 'summary.json'}: corrupt summary.json, not valid JSON" in jobs["0"].error
+    assert f"{empty / 'summary.json'}: corrupt summary.json, empty" in jobs["1"].error
+    assert jobs["2"].status == "completed" and jobs["2"].checkpoint == "ok"
+    assert jobs["2"].value == pytest.approx(0.81)
+    assert jobs["3"].status == "completed" and jobs["3"].checkpoint.startswith("corrupt")
+    assert "last.ckpt corrupt" in jobs["3"].error
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert [r["status"] for r in rows] == ["completed", "completed", "unreadable", "unreadable"]
 
 
 def test_job_folders_with_digit_and_word_names_sort_without_error(tmp_path):

@@ -52,6 +52,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch.utils.checkpoint import checkpoint_sequential
 
+from remat import run_shape
 from remat.config import config_dir
 from remat.measure import (
     TOLERANCES,
@@ -525,7 +526,7 @@ def _sizes(cfg: DictConfig) -> tuple[str, list[int]]:
             size key of the other model kind set (``data.image_size`` for a GPT,
             ``data.block_size`` for an image model), naming both keys.
     """
-    sequence = "block_size" in cfg.model
+    sequence = run_shape.is_sequence_model(cfg.model)
     other, used = (("data.image_size", "data.block_size") if sequence
                    else ("data.block_size", "data.image_size"))
     if cfg.data.get(other.split(".")[1]) is not None:
@@ -597,14 +598,13 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         ValueError: unknown strategy (lists valid ones), bad sizes (naming the key) or
             precision; ``compile_strategies`` without ``none``.
     """
-    if str(cfg.precision) == "16-mixed" and not (cfg.device != "cpu" and torch.cuda.is_available()):
-        raise ValueError("bench precision=16-mixed needs a CUDA device; on CPU use bf16-mixed")
+    precision = run_shape.check_precision(cfg.precision, cfg.device, run_shape.TRACED_PRECISIONS,
+                                          "bench precision")
     batch_size = cfg.data.get("batch_size")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"bench: data.batch_size must be an integer >= 1, got {batch_size!r}")
     size_key, sizes = _sizes(cfg)
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if cfg.device == "auto" else cfg.device))
+    device = run_shape.resolve_device(cfg.device)
     strategies = _build_strategies(cfg.strategies)
     if "none" not in strategies:
         raise ValueError("bench strategies must include 'none', the reference")
@@ -640,7 +640,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(cfg.seed)
         batch = {k: v.to(device)
                  for k, v in base.example_batch(batch_size, size, generator).items()}
-        args = (str(cfg.precision), int(cfg.warmup), int(cfg.steps), int(cfg.seed), slot)
+        args = (precision, int(cfg.warmup), int(cfg.steps), int(cfg.seed), slot)
         size_rows, grads = _measure(base, list(cfg.model.stages), runs, batch, device, *args)
         if compile_runs:
             size_notes: list[str] = []

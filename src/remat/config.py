@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+from remat.run_shape import PRECISIONS, check_precision
+
+__all__ = ["PRECISIONS", "check_top_level", "config_dir", "per_step_batch", "run_id"]
 
 
 def config_dir() -> Path:
@@ -38,26 +41,14 @@ def check_top_level(cfg: DictConfig) -> None:
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer (or null for a random seed), got {seed!r}")
-    precision = str(cfg.get("precision"))
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"precision={precision!r} is not supported; use one of: {', '.join(PRECISIONS)}"
-        )
+    accelerator = str(cfg.get("trainer", {}).get("accelerator", "auto"))
+    check_precision(cfg.get("precision"), accelerator)
     acc = cfg.get("accumulate_grad_batches")
     if isinstance(acc, bool) or not isinstance(acc, int) or acc < 1:
         raise ValueError(
             f"accumulate_grad_batches must be an integer >= 1 (batches per optimizer step), "
             f"got {acc!r}"
         )
-    if precision == "16-mixed":
-        import torch
-
-        accelerator = str(cfg.get("trainer", {}).get("accelerator", "auto"))
-        if accelerator == "cpu" or not torch.cuda.is_available():
-            raise ValueError(
-                "precision=16-mixed needs a CUDA device (float16 autocast with a gradient "
-                "scaler); on CPU use precision=bf16-mixed"
-            )
 
 
 def per_step_batch(effective: int, accumulation: int) -> int:
@@ -76,5 +67,19 @@ def per_step_batch(effective: int, accumulation: int) -> int:
     return effective // accumulation
 
 
+def run_id() -> str:
+    """A short id that makes a run folder unique: ``$SLURM_JOB_ID`` (with
+    ``_$SLURM_ARRAY_TASK_ID`` for array jobs) under SLURM, else 6 random hex digits. The
+    ``remat.run_id`` resolver of ``configs/hydra/default.yaml`` caches it, so one config
+    gets one id."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        task = os.environ.get("SLURM_ARRAY_TASK_ID")
+        return f"{os.environ.get('SLURM_ARRAY_JOB_ID', job)}_{task}" if task else job
+    return secrets.token_hex(3)
+
+
 if not OmegaConf.has_resolver("remat.batch_for"):
     OmegaConf.register_new_resolver("remat.batch_for", per_step_batch)
+if not OmegaConf.has_resolver("remat.run_id"):
+    OmegaConf.register_new_resolver("remat.run_id", run_id, use_cache=True)

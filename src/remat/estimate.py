@@ -46,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
 
+from remat import run_shape
 from remat.config import config_dir
 from remat.measure import format_bytes
 from remat.measure.trace import (  # noqa: F401 - part of this module's interface
@@ -75,18 +76,20 @@ def _cuda_note() -> str:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` -> ``cuda`` when a CUDA driver is present, else ``cpu``; others as given.
+    """``auto`` -> ``cuda`` when a CUDA driver is present, else ``cpu``; others as given
+    (:func:`remat.run_shape.resolve_device`).
 
     Raises:
         ValueError: ``device=cuda`` asked for on a machine without CUDA (the message says
             why fake CUDA tensors cannot stand in).
     """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"estimate device={device}: {_cuda_note()}; use device=cpu or auto")
-    return dev
+    try:
+        return run_shape.resolve_device(device)
+    except ValueError as err:
+        if "CUDA" not in str(err):
+            raise ValueError(f"estimate {err}") from err
+        raise ValueError(f"estimate device={device}: {_cuda_note()}; use device=cpu or "
+                         "auto") from err
 
 
 def check_sizes(batch_size: Any, size: Any, size_key: str, channels: int = 1
@@ -95,8 +98,8 @@ def check_sizes(batch_size: Any, size: Any, size_key: str, channels: int = 1
 
     Args:
         batch_size, size: the config values; ``size`` is an image side (px), an image size
-            ``[h, w]`` (px; ``data.patch_size`` may be either) or a sequence length (tokens),
-            named by ``size_key`` (e.g. ``data.image_size``).
+            ``[h, w]`` (px; see :func:`remat.run_shape.normalize_size`) or a sequence length
+            (tokens), named by ``size_key`` (e.g. ``data.image_size``).
         channels: input channels (images: ``h * w`` pixels each).
 
     Returns:
@@ -106,41 +109,17 @@ def check_sizes(batch_size: Any, size: Any, size_key: str, channels: int = 1
         ValueError: not an integer >= 1 (or a pair of them for image sizes), or the input's
             element count overflows int64; the message names the key.
     """
-    image = size_key in ("data.image_size", "data.patch_size")
-    if image and isinstance(size, list | tuple) and len(size) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in size):
-        size = size[0] if size[0] == size[1] else (int(size[0]), int(size[1]))
-    for key, value in (("data.batch_size", batch_size), (size_key, size)):
-        if isinstance(value, tuple) and key == size_key:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            expected = "an integer >= 1" + (" or [h, w]" if image and key == size_key else "")
-            raise ValueError(f"estimate: {key} must be {expected}, got {value!r}")
-    pixels = (size[0] * size[1] if isinstance(size, tuple) else size * size) if image else size
-    numel = batch_size * channels * pixels
+    try:
+        batch_size = run_shape.normalize_size(batch_size, "data.batch_size")
+        size = run_shape.normalize_size(size, size_key)
+    except ValueError as err:
+        raise ValueError(f"estimate: {err}") from err
+    numel = batch_size * channels * run_shape.size_elements(size)
     if numel > INT64_MAX:
         raise ValueError(f"estimate: {size_key}={size} with data.batch_size={batch_size} "
                          f"gives an input of {numel:.3e} elements, more than int64 can index "
                          f"({INT64_MAX:.3e}); use a smaller {size_key}")
     return batch_size, size
-
-
-def _model_size(cfg: DictConfig) -> tuple[str, Any]:
-    """The key and value of the input size: ``data.image_size`` for image models (or, for
-    datamodules that train on random crops without one, ``data.patch_size``: int or
-    ``[h, w]``), ``data.block_size`` (or ``model.block_size``) for sequence models."""
-    if "block_size" in cfg.model:
-        if cfg.data.get("block_size") is not None:
-            return "data.block_size", cfg.data.block_size
-        return "model.block_size", cfg.model.block_size
-    if cfg.data.get("image_size") is None and cfg.data.get("patch_size") is not None:
-        return "data.patch_size", _plain(cfg.data.patch_size)  # random crops are the input
-    return "data.image_size", cfg.data.get("image_size")
-
-
-def _plain(value: Any) -> Any:
-    """A ListConfig as a list; anything else as it is."""
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def build_from_config(cfg: DictConfig
@@ -151,13 +130,16 @@ def build_from_config(cfg: DictConfig
     Raises:
         ValueError: bad sizes (naming the key) or precision.
     """
-    size_key, size = _model_size(cfg)
+    size_key = run_shape.size_key_of(cfg.data, cfg.model)
+    if size_key is None:
+        raise ValueError("estimate: no input size: set data.image_size or data.patch_size "
+                         "(image models, px) or data.block_size (sequence models, tokens)")
+    size = OmegaConf.select(cfg, size_key)
     channels = int(cfg.model.get("in_channels", 1) or 1)
     batch_size, size = check_sizes(cfg.data.get("batch_size"), size, size_key, channels)
-    precision = str(cfg.precision)
-    if precision not in ("32-true", "bf16-mixed", "16-mixed"):
-        raise ValueError(f"estimate: precision={precision!r}; use 32-true, bf16-mixed or "
-                         "16-mixed")
+    if str(cfg.precision) not in run_shape.TRACED_PRECISIONS:
+        raise ValueError(f"estimate: precision={str(cfg.precision)!r}; use "
+                         f"{', '.join(run_shape.TRACED_PRECISIONS)}")
     model_cfg = cfg.model.copy()
     with open_dict(model_cfg):
         model_cfg.scheduler = None  # one step; its ${trainer...} interpolations need no trainer
@@ -223,9 +205,12 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
             "active, so a trace would show the eager model rather than what the compiler's "
             "partitioner keeps. Measure it on the device instead (python -m remat.bench ... "
             "'strategies=[none,compile]')")
+    accumulate = run_shape.normalize_size(cfg.get("accumulate_grad_batches", 1),
+                                          "accumulate_grad_batches")
     start = time.perf_counter()
     try:
-        strategy, peak = trace_step(build, batch_size, size, device, precision, fake)
+        strategy, peak = trace_step(build, batch_size, size, device, precision, fake,
+                                    accumulate_grad_batches=accumulate)
     except RuntimeError as err:
         if "overflow" in str(err).lower():
             raise ValueError(f"estimate: {size_key}={size} with data.batch_size={batch_size} "
@@ -242,15 +227,17 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     return Estimate(strategy=strategy, precision=precision,
                     device=device.type, batch_size=batch_size, size=size, size_key=size_key,
                     peak_bytes=int(peak.peak_bytes), categories=peak.categories,
-                    seconds=seconds, fake=fake, note=note)
+                    seconds=seconds, fake=fake, note=note, accumulate_grad_batches=accumulate)
 
 
 def format_estimate(est: Estimate) -> str:
     """Plain-text table of an :class:`Estimate`: one line per category, MiB/GiB."""
     kind = "predicted" if est.fake else "measured"
     lines = [f"{kind} peak of one training step: strategy {est.strategy}, {est.precision}, "
-             f"batch {est.batch_size}, {est.size_key}={est.size}, device {est.device} "
-             f"({est.seconds:.1f} s)"]
+             f"batch {est.batch_size}, {est.size_key}={est.size}, "
+             + (f"accumulate_grad_batches={est.accumulate_grad_batches}, "
+                if est.accumulate_grad_batches > 1 else "")
+             + f"device {est.device} ({est.seconds:.1f} s)"]
     for name, value in est.categories.items():
         if name != "total":
             lines.append(f"  {name:<16}{format_bytes(value):>12}")
@@ -267,7 +254,8 @@ def run(cfg: DictConfig) -> Estimate:
     print(format_estimate(est))
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    keep = {k: cfg[k] for k in ("model", "data", "strategy", "precision", "device") if k in cfg}
+    keep = {k: cfg[k] for k in ("model", "data", "strategy", "precision",
+                                "accumulate_grad_batches", "device") if k in cfg}
     record = asdict(est) | {"config": OmegaConf.to_container(OmegaConf.create(keep),
                                                               resolve=False)}
     (out / "estimate.json").write_text(json.dumps(record, indent=2, default=str))

@@ -22,6 +22,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from remat import run_shape
 from remat.config import config_dir
 from remat.models import SegmentationModule
 from remat.models.checks import check_checkpoint_fits, read_checkpoint
@@ -97,9 +98,7 @@ def _group(pattern: re.Pattern[str], name: str) -> str:
 
 
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    return run_shape.resolve_device(name)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:

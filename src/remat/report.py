@@ -6,17 +6,24 @@ accumulation, batch, size, peak memory, step time, throughput, validation metric
 writes ``report.md``, ``report.csv``, ``report_memory_time.png`` (peak memory against
 step time) and ``report_metric_memory.png`` (validation metric against peak memory) into
 the directory. Jobs without a summary or with ``status: failed`` are listed with their
-status, never dropped. When a job's config has a top-level ``reference:`` list (entries
-``{metric, value, model, source}``), the published value is printed beside ours.
+status, never dropped; a job whose files are broken (an empty or truncated
+``summary.json``, an unreadable ``config.yaml``, a truncated ``checkpoints/last.ckpt``, as a
+full disk leaves them) is listed with what is wrong, and the rest of the sweep is reported.
+When a job's config has a top-level ``reference:`` list (entries ``{metric, value, model,
+source}``), the published value is printed beside ours. Also ``remat-report``, and written
+after every job of a multirun by :class:`remat.callbacks.SweepReport`.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
+import os
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +34,7 @@ from remat.measure import format_bytes
 
 COLUMNS = ["job", "status", "strategy", "precision", "accumulation", "batch", "size",
            "peak_memory_bytes", "step_ms", "throughput", "metric", "value", "published",
-           "error"]
+           "checkpoint", "error"]
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Job:
     value: float | None = None
     published: list[str] = field(default_factory=list)
     error: str | None = None
+    checkpoint: str | None = None
 
 
 def _job_dirs(root: Path) -> list[Path]:
@@ -64,13 +72,19 @@ def _job_dirs(root: Path) -> list[Path]:
 
 
 def _load_summary(path: Path) -> dict[str, Any] | None:
+    """The summary dict, None when the file does not exist.
+
+    Raises:
+        ValueError: the file is empty, not JSON (e.g. truncated) or not a JSON object; the
+            message names the file.
+    """
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: corrupt summary.json, not valid JSON ({err}); rerun that "
-                         "job or delete the file to list the job as missing") from err
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
+        what = "empty" if path.stat().st_size == 0 else f"not valid JSON ({err})"
+        raise ValueError(f"{path}: corrupt summary.json, {what}; rerun that job") from err
     if not isinstance(data, dict):
         raise ValueError(f"{path}: corrupt summary.json, expected a JSON object, got "
                          f"{type(data).__name__}")
@@ -78,6 +92,11 @@ def _load_summary(path: Path) -> dict[str, Any] | None:
 
 
 def _load_config(job_dir: Path) -> dict[str, Any]:
+    """The job's config (its ``config.yaml``, else Hydra's ``.hydra/config.yaml``).
+
+    Raises:
+        ValueError: the file cannot be parsed; the message names it.
+    """
     for path in (job_dir / "config.yaml", job_dir / ".hydra" / "config.yaml"):
         if path.is_file():
             try:
@@ -86,6 +105,21 @@ def _load_config(job_dir: Path) -> dict[str, Any]:
                 raise ValueError(f"{path}: unreadable config ({err})") from err
             return conf if isinstance(conf, dict) else {}
     return {}
+
+
+def _checkpoint_state(job_dir: Path) -> str | None:
+    """``ok`` when ``checkpoints/last.ckpt`` is a complete torch zip file, a short reason when
+    it is truncated or unreadable, None when there is none (only the zip's directory at the
+    end of the file is read)."""
+    path = job_dir / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.namelist()
+    except (zipfile.BadZipFile, OSError) as err:
+        return f"corrupt ({err})"
+    return "ok"
 
 
 def read_job(root: Path, job_dir: Path) -> Job:
@@ -97,15 +131,18 @@ def read_job(root: Path, job_dir: Path) -> Job:
     name = str(job_dir.relative_to(root)) if job_dir != root else job_dir.name
     summary = _load_summary(job_dir / "summary.json")
     config = _load_config(job_dir)
+    checkpoint = _checkpoint_state(job_dir)
     if summary is None:
         data = config.get("data") or {}
         return Job(name, "missing", precision=config.get("precision"),
                    accumulation=config.get("accumulate_grad_batches"),
-                   batch=data.get("batch_size"),
+                   batch=data.get("batch_size"), checkpoint=checkpoint,
                    error="no summary.json (job killed or never started)")
     metric = summary.get("monitor") or config.get("monitor") or "val/loss"
     metrics = summary.get("metrics") or {}
-    size = summary.get("image_size") or summary.get("block_size")
+    size = summary.get("size") or summary.get("image_size") or summary.get("block_size")
+    if isinstance(size, list):
+        size = "x".join(map(str, size))
     step_ms = summary.get("median_step_ms")
     batch = summary.get("batch_size")
     throughput = summary.get("samples_per_s")
@@ -114,7 +151,9 @@ def read_job(root: Path, job_dir: Path) -> Job:
     job = Job(name, str(summary.get("status", "unknown")), summary.get("strategy"),
               summary.get("precision"), summary.get("accumulate_grad_batches"), batch, size,
               summary.get("peak_memory_bytes"), step_ms, throughput, metric,
-              metrics.get(metric), error=summary.get("error"))
+              metrics.get(metric), error=summary.get("error"), checkpoint=checkpoint)
+    if checkpoint not in (None, "ok"):
+        job.error = "; ".join(e for e in (job.error, f"last.ckpt {checkpoint}") if e)
     for ref in config.get("reference") or []:
         if isinstance(ref, dict) and ref.get("metric") and ref.get("value") is not None:
             ours = metrics.get(ref["metric"])
@@ -130,7 +169,10 @@ def collect(root: Path) -> list[Job]:
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
-        ValueError: no job under ``root``, or a corrupt summary/config (path named).
+        ValueError: no job under ``root``.
+
+    A job whose ``summary.json`` or ``config.yaml`` cannot be read is listed with status
+    ``unreadable`` and the reason (the file named), not raised.
     """
     root = Path(root)
     if not root.is_dir():
@@ -140,7 +182,14 @@ def collect(root: Path) -> list[Job]:
     if not dirs:
         raise ValueError(f"report: no runs under {root}: expected job folders holding "
                          "summary.json / config.yaml (e.g. multirun/<date>/<time>/0/)")
-    jobs = [read_job(root, d) for d in dirs]
+    jobs = []
+    for job_dir in dirs:
+        try:
+            jobs.append(read_job(root, job_dir))
+        except ValueError as err:  # a broken file lists the job; the sweep is still reported
+            name = str(job_dir.relative_to(root)) if job_dir != root else job_dir.name
+            jobs.append(Job(name, "unreadable", error=str(err),
+                            checkpoint=_checkpoint_state(job_dir)))
     done = [j for j in jobs if j.status == "completed"]
     rest = [j for j in jobs if j.status != "completed"]
     done.sort(key=lambda j: (str(j.precision), j.accumulation or 0,
@@ -156,12 +205,12 @@ def _cells(job: Job) -> list[str]:
             str(job.accumulation or "?"), str(job.batch or "?"), str(job.size or "?"),
             format_bytes(job.peak_memory_bytes), num(job.step_ms, ".1f"),
             num(job.throughput, ".2f"), str(job.metric or ""), num(job.value, ".4f"),
-            "; ".join(job.published), (job.error or "").splitlines()[0][:80] if job.error
-            else ""]
+            "; ".join(job.published), job.checkpoint or "-",
+            (job.error or "").splitlines()[0][:80] if job.error else ""]
 
 
 HEADERS = ["job", "status", "strategy", "precision", "accum.", "batch", "size", "peak memory",
-           "step (ms)", "samples/s", "metric", "value", "published", "error"]
+           "step (ms)", "samples/s", "metric", "value", "published", "last.ckpt", "error"]
 
 
 def markdown(jobs: list[Job]) -> str:
@@ -198,15 +247,25 @@ def _plots(jobs: list[Job], out: Path) -> list[Path]:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        tmp = out / f".{name}.{os.getpid()}.tmp.png"
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, out / name)
         plt.close(fig)
         written.append(out / name)
     return written
 
 
-def report(root: Path | str, out: Path | str | None = None) -> list[Job]:
-    """Collect the jobs under ``root``, print the table (rich) and write ``report.md``,
-    ``report.csv`` and the two PNG plots into ``out`` (default ``root``).
+def _write_text(path: Path, text: str) -> None:
+    """Write ``text`` atomically (temporary file in the folder, then rename): a report that
+    several jobs of a sweep refresh at once is never half written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def report(root: Path | str, out: Path | str | None = None, quiet: bool = False) -> list[Job]:
+    """Collect the jobs under ``root``, print the table (rich; not with ``quiet``) and write
+    ``report.md``, ``report.csv`` and the two PNG plots into ``out`` (default ``root``).
 
     Raises:
         FileNotFoundError, ValueError: see :func:`collect`.
@@ -215,15 +274,18 @@ def report(root: Path | str, out: Path | str | None = None) -> list[Job]:
     jobs = collect(root)
     out = Path(out) if out is not None else root
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(markdown(jobs))
-    with (out / "report.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(COLUMNS)
-        for j in jobs:
-            writer.writerow([j.job, j.status, j.strategy, j.precision, j.accumulation, j.batch,
-                             j.size, j.peak_memory_bytes, j.step_ms, j.throughput, j.metric,
-                             j.value, "; ".join(j.published), j.error or ""])
+    _write_text(out / "report.md", markdown(jobs))
+    rows = io.StringIO(newline="")
+    writer = csv.writer(rows)
+    writer.writerow(COLUMNS)
+    for j in jobs:
+        writer.writerow([j.job, j.status, j.strategy, j.precision, j.accumulation, j.batch,
+                         j.size, j.peak_memory_bytes, j.step_ms, j.throughput, j.metric,
+                         j.value, "; ".join(j.published), j.checkpoint or "", j.error or ""])
+    _write_text(out / "report.csv", rows.getvalue())
     plots = _plots(jobs, out)
+    if quiet:
+        return jobs
     from rich.console import Console
     from rich.table import Table
 

@@ -79,13 +79,16 @@ def test_unknown_precision_and_tracker_are_refused():
         PeakMemory("cpu", tracker="nvml")
 
 
-def test_memory_monitor_keeps_its_record_across_a_resume():
+def test_memory_monitor_measures_again_after_a_resume_and_keeps_the_record():
     from remat.callbacks import PeakMemoryMonitor
 
     before = PeakMemoryMonitor()
-    before.peak_bytes, before.tracked, before.reserved_bytes = 300, 2, 512
-    before.step_peaks, before.epoch_peaks = [200, 300], [300]
+    before.peak_bytes, before.steps_done, before.epoch_peaks = 300, 2, [300]
+    before.step_peaks = [200, 300]
+    before.batches = [{"epoch": 0, "batch_idx": i, "global_step": i + 1, "optimizer_step": True}
+                      for i in range(2)]
     after = PeakMemoryMonitor()
     after.load_state_dict(before.state_dict())
-    assert (after.peak_bytes, after.tracked, after.reserved_bytes) == (300, 2, 512)
-    assert after.step_peaks == [200, 300] and after.epoch_peaks == [300]
+    assert after.is_tracking() and after.peak_bytes is None  # its own steps are measured
+    assert after.epoch_peaks == [300]  # the per-epoch record goes on
+    assert after.measured()["previous_runs"] == [{"peak_bytes": 300, "optimizer_steps": [1, 2]}]

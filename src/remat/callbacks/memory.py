@@ -11,8 +11,15 @@ from remat.measure import PeakMemory
 
 
 class PeakMemoryMonitor(L.Callback):
-    """Measures the peak memory of the first ``track_batches`` training batches, and of each
-    epoch where that is cheap.
+    """Measures the peak memory of the training batches of this process's first
+    ``track_steps`` optimizer steps, and of each epoch where that is cheap.
+
+    With ``accumulate_grad_batches=k`` an optimizer step spans k batches: tracking goes on
+    until ``track_steps`` optimizer steps have completed (at most ``track_steps * k``
+    batches), so the measured steps include optimizer steps, with the optimizer state
+    allocated, whatever k is. A resumed run measures its own first steps (nothing is taken
+    from the checkpoint but the per-epoch history). :meth:`measured` says which batches and
+    optimizer steps were measured.
 
     Each tracked batch (forward, backward and, when due, the optimizer step) runs inside
     its own :class:`~remat.measure.PeakMemory`; the maximum is kept. On CPU the tracker is
@@ -24,31 +31,51 @@ class PeakMemoryMonitor(L.Callback):
     measured, so it is their maximum within that epoch (absent for epochs without one).
     Only totals are kept: Lightning runs forward and backward inside
     ``optimizer.step(closure)``, so MemTracker would file activations under optimizer state
-    (the per-category split is given by :mod:`remat.estimate` and
-    :func:`remat.measure.step_peak_memory`, which step the optimizer after backward). On CPU
-    with the ``compile`` strategy nothing is measured (MemTracker and torch.compile cannot
-    run together): ``peak_bytes`` stays ``None`` and ``skipped_reason`` says why.
+    (the per-category split is given by :mod:`remat.estimate`). On CPU with the ``compile``
+    strategy nothing is measured (MemTracker and torch.compile cannot run together):
+    ``peak_bytes`` stays ``None`` and ``skipped_reason`` says why.
 
     Raises:
-        ValueError: ``track_batches < 0``.
+        ValueError: ``track_steps < 0``.
     """
 
-    def __init__(self, track_batches: int = 2) -> None:
-        if track_batches < 0:
-            raise ValueError(f"PeakMemoryMonitor: track_batches must be >= 0, got {track_batches}")
-        self.track_batches = track_batches
+    def __init__(self, track_steps: int = 2) -> None:
+        if track_steps < 0:
+            raise ValueError(f"PeakMemoryMonitor: track_steps must be >= 0, got {track_steps}")
+        self.track_steps = track_steps
         self.peak_bytes: int | None = None
         self.reserved_bytes: int | None = None
         self.step_peaks: list[int] = []
         self.epoch_peaks: list[int | None] = []
-        self.tracked = 0
+        self.batches: list[dict[str, int | bool]] = []
+        self.steps_done = 0
         self.skipped_reason: str | None = None
+        self.history: list[dict[str, Any]] = []
         self._current: PeakMemory | None = None
         self._epoch_peak: int | None = None
+        self._step_before = 0
 
     def is_tracking(self) -> bool:
         """Whether the current (or next) training batch is one this monitor measures."""
-        return self._current is not None or self.tracked < self.track_batches
+        return self._current is not None or (self.steps_done < self.track_steps
+                                             and self.skipped_reason is None)
+
+    def measured(self) -> dict[str, Any]:
+        """Which batches were measured: ``batches`` (count), ``optimizer_steps`` (the
+        global steps completed by them), ``first``/``last`` (``[epoch, batch_idx]``),
+        ``batch_peaks_bytes`` (each batch's peak, in order); ``previous_runs`` holds what
+        earlier runs of a resumed training measured (``peak_bytes``, ``optimizer_steps``)."""
+        steps = [int(b["global_step"]) for b in self.batches if b["optimizer_step"]]
+        return {
+            "batches": len(self.batches),
+            "optimizer_steps": steps,
+            "first": [self.batches[0]["epoch"], self.batches[0]["batch_idx"]]
+            if self.batches else None,
+            "last": [self.batches[-1]["epoch"], self.batches[-1]["batch_idx"]]
+            if self.batches else None,
+            "batch_peaks_bytes": list(self.step_peaks),
+            "previous_runs": list(self.history),
+        }
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_peak = None
@@ -57,14 +84,14 @@ class PeakMemoryMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        if self.tracked >= self.track_batches or self.skipped_reason:
+        self._step_before = trainer.global_step
+        if not self.is_tracking():
             return
         strategy = getattr(pl_module, "strategy", None)
         if pl_module.device.type != "cuda" and not getattr(strategy, "measurable_on_cpu", True):
             # e.g. torch.compile refuses to trace while MemTracker's dispatch mode is active
             self.skipped_reason = ("not measured: the CPU tracker (MemTracker) cannot run "
                                    "while torch.compile traces the compiled stages")
-            self.tracked = self.track_batches
             return
         self._current = PeakMemory(pl_module.device, modules=[pl_module],
                                    optimizers=trainer.optimizers, split=False)
@@ -79,7 +106,10 @@ class PeakMemoryMonitor(L.Callback):
             return
         self._current.__exit__(None, None, None)
         peak, self._current = self._current, None
-        self.tracked += 1
+        stepped = trainer.global_step != self._step_before
+        self.steps_done += int(stepped)
+        self.batches.append({"epoch": trainer.current_epoch, "batch_idx": batch_idx,
+                             "global_step": trainer.global_step, "optimizer_step": stepped})
         self.step_peaks.append(int(peak.peak_bytes))
         self._epoch_peak = max(self._epoch_peak or 0, int(peak.peak_bytes))
         if peak.reserved_bytes is not None:
@@ -88,7 +118,7 @@ class PeakMemoryMonitor(L.Callback):
             self.peak_bytes = peak.peak_bytes
         pl_module.log("mem/step_peak_bytes", float(peak.peak_bytes), on_step=True,
                       on_epoch=False, batch_size=1)
-        if self.tracked == self.track_batches:
+        if self.steps_done == self.track_steps and stepped:
             pl_module.log("mem/peak_bytes", float(self.peak_bytes), on_step=True,
                           on_epoch=False, batch_size=1)
 
@@ -105,13 +135,13 @@ class PeakMemoryMonitor(L.Callback):
             self._current = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "tracked": self.tracked,
-                "reserved_bytes": self.reserved_bytes, "step_peaks": list(self.step_peaks),
-                "epoch_peaks": list(self.epoch_peaks)}
+        runs = list(self.history)
+        if self.batches:
+            runs.append({"peak_bytes": self.peak_bytes,
+                         "optimizer_steps": self.measured()["optimizer_steps"]})
+        return {"epoch_peaks": list(self.epoch_peaks), "history": runs}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.peak_bytes = state_dict.get("peak_bytes")
-        self.tracked = state_dict.get("tracked", 0)
-        self.reserved_bytes = state_dict.get("reserved_bytes")
-        self.step_peaks = list(state_dict.get("step_peaks", []))
+        # a resumed run measures its own steps; only the record of earlier runs is kept
         self.epoch_peaks = list(state_dict.get("epoch_peaks", []))
+        self.history = list(state_dict.get("history", []))

@@ -10,26 +10,9 @@ import lightning as L
 import torch
 
 from remat.measure import format_bytes
+from remat.run_shape import TRACED_PRECISIONS, check_precision, shape_of
 
 log = logging.getLogger(__name__)
-
-
-def _batch_shape(trainer: L.Trainer) -> tuple[int, int | tuple[int, int], str] | None:
-    """``(batch_size, size, size key)`` of the training batches: ``image_size`` (px),
-    else ``patch_size`` (random crops; int or ``[h, w]`` px), else ``block_size`` (tokens);
-    None when the datamodule has none of them as integers."""
-    dm = trainer.datamodule
-    batch = getattr(dm, "batch_size", None)
-    for key in ("image_size", "patch_size", "block_size"):
-        size = getattr(dm, key, None)
-        if isinstance(size, list | tuple) and len(size) == 2 and all(
-                isinstance(v, int) for v in size):
-            size = size[0] if size[0] == size[1] else (int(size[0]), int(size[1]))
-        if isinstance(size, int) or isinstance(size, tuple):
-            break
-    else:
-        return None
-    return (batch, size, f"data.{key}") if isinstance(batch, int) else None
 
 
 class RunReport(L.Callback):
@@ -39,11 +22,12 @@ class RunReport(L.Callback):
 
     The estimate traces a structural copy of the run's own module (``meta`` tensors turned
     into fake ones: same network, also a ready ``net``, strategy wrappers, optimizer factory,
-    vocabulary) at the datamodule's batch size and ``image_size``/``patch_size``/
-    ``block_size``, with the run's precision, over two steps (the second has the optimizer
-    state allocated, see :func:`remat.estimate.trace_step`). Strategies that cannot be
+    vocabulary) at the datamodule's batch size and input size (the size key of
+    :func:`remat.run_shape.shape_of`), with the run's precision and
+    ``accumulate_grad_batches``, over two optimizer steps (the second has the optimizer
+    state allocated, see :func:`remat.measure.trace.trace_step`). Strategies that cannot be
     traced (``compile``) get a note instead of a number. Not modelled: gradient clipping's
-    temporaries (per-parameter norms, small) and gradient accumulation.
+    temporaries (per-parameter norms, small).
     Kept for ``summary.json``: ``strategy_report`` (dict), ``estimate`` (dict of
     :class:`remat.measure.trace.Estimate` fields, bytes) or ``estimate_note``.
     """
@@ -77,8 +61,8 @@ class RunReport(L.Callback):
                   ) -> tuple[dict[str, Any] | None, str | None]:
         from remat.measure.trace import Estimate, materialize, meta_clone, trace_step
 
-        shape = _batch_shape(trainer)
-        if shape is None:
+        shape = shape_of(trainer.datamodule, getattr(pl_module, "hparams", None))
+        if shape.batch_size is None or shape.size is None:
             return None, ("the datamodule has no integer batch_size and image_size, "
                           "patch_size or block_size")
         if not getattr(pl_module.strategy, "traceable", True):
@@ -96,16 +80,20 @@ class RunReport(L.Callback):
         def build() -> torch.nn.Module:
             return materialize(skeleton, pl_module.device)
 
-        precision = str(trainer.precision)
-        if precision not in ("32-true", "32", "bf16-mixed", "16-mixed"):
-            return None, f"precision {precision} is not traced by the estimator"
         try:
-            name, peak = trace_step(build, shape[0], shape[1], pl_module.device,
-                                    precision if precision != "32" else "32-true")
+            precision = check_precision(trainer.precision, pl_module.device.type,
+                                        TRACED_PRECISIONS)
+        except ValueError:
+            return None, f"precision {trainer.precision} is not traced by the estimator"
+        accumulate = int(trainer.accumulate_grad_batches)
+        try:
+            name, peak = trace_step(build, shape.batch_size, shape.size, pl_module.device,
+                                    precision, accumulate_grad_batches=accumulate)
         except Exception as err:  # noqa: BLE001 - reported as a note, never raised
             return None, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
         est = Estimate(strategy=name, precision=precision, device=pl_module.device.type,
-                       batch_size=shape[0], size=shape[1], size_key=shape[2],
+                       batch_size=shape.batch_size, size=shape.size, size_key=shape.size_key,
+                       accumulate_grad_batches=accumulate,
                        peak_bytes=int(peak.peak_bytes), categories=peak.categories,
                        seconds=0.0)
         return asdict(est), None

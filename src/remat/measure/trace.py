@@ -23,7 +23,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
 
-from remat.measure.step import step_peak_memory
+from remat.measure.memory import PeakMemory
+from remat.measure.step import autocast, lightning_micro_steps
 
 
 @dataclass
@@ -33,7 +34,8 @@ class Estimate:
     ``peak_bytes`` and ``categories`` (``parameters``, ``buffers``, ``gradients``,
     ``optimizer_state``, ``activations``, ``temporaries``, ``other``, ``total``) in bytes,
     ``seconds`` wall time of the trace, ``device`` the device type estimated for, ``note``
-    what the number means there.
+    what the number means there, ``accumulate_grad_batches`` the batches per optimizer step
+    traced.
     """
 
     strategy: str
@@ -47,6 +49,7 @@ class Estimate:
     seconds: float
     fake: bool = True
     note: str = ""
+    accumulate_grad_batches: int = 1
     torch_version: str = field(default_factory=lambda: torch.__version__)
 
 
@@ -119,17 +122,45 @@ def _batch(model: nn.Module, batch_size: int, size: int | tuple[int, int],
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def _micro_peak(model: nn.Module, batch: dict[str, torch.Tensor],
+                optimizer: torch.optim.Optimizer, device: torch.device, precision: str,
+                zero_grad: bool, step: bool, loss_scale: float) -> PeakMemory:
+    """Peak of one training batch in Lightning's automatic-optimization order: forward and
+    loss (scaled by ``loss_scale``), ``zero_grad`` if asked (after the forward, as
+    Lightning's ``Closure``), backward, optimizer step if asked; MemTracker over all of it."""
+    with PeakMemory(device, modules=[model], optimizers=[optimizer],
+                    tracker="memtracker") as peak:
+        with autocast(device, precision):
+            loss = model.training_loss(batch)
+            if loss_scale != 1.0:
+                loss = loss * loss_scale
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if step:
+            optimizer.step()
+        del loss
+    return peak
+
+
 def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
-               device: torch.device, precision: str, fake: bool = True) -> tuple[str, Any]:
-    """Build the model (``build()``, with strategy applied) and measure two training steps;
-    the larger peak is returned.
+               device: torch.device, precision: str, fake: bool = True,
+               accumulate_grad_batches: int = 1) -> tuple[str, Any]:
+    """Build the model (``build()``, with strategy applied) and measure two optimizer steps;
+    the largest peak of their batches is returned.
+
+    With ``accumulate_grad_batches=k`` each optimizer step is k batches in Lightning's order
+    (:func:`~remat.measure.step.lightning_micro_steps`: the first zeroes the gradients, the
+    others add to them while they stay allocated, the last steps the optimizer; the loss is
+    divided by k), each batch measured on its own.
 
     Why two: the first step allocates the optimizer state at its end (after backward has
     freed the activations), while every later step runs forward and backward with that
-    state, and (Lightning's order, ``training_step(..., zero_grad_first=True)``) the previous step's
+    state, and (Lightning's order: ``zero_grad`` after the forward) the previous step's
     gradients, already allocated. Which of the two is higher depends on the model (the
     tiny GPT of ``experiment=shakespeare_gpt``: the second, by 37%). Training's
-    :class:`~remat.callbacks.PeakMemoryMonitor` measures the first two batches as well.
+    :class:`~remat.callbacks.PeakMemoryMonitor` measures the batches of the first two
+    optimizer steps as well.
 
     Under ``fake=True`` everything (parameters, optimizer state, batch) is a fake tensor on
     ``device``; with ``fake=False`` the same steps run for real (the reference the estimate
@@ -150,11 +181,13 @@ def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tupl
         model = make().train()
         optimizer = _optimizer(model)
         peaks = []
+        scale = 1.0 / accumulate_grad_batches
         for _ in range(2):
-            batch = _batch(model, batch_size, size, device)
-            peaks.append(step_peak_memory(model, batch, optimizer, device, precision,
-                                          tracker="memtracker", zero_grad_first=True))
-            del batch
+            for zero_grad, step in lightning_micro_steps(accumulate_grad_batches):
+                batch = _batch(model, batch_size, size, device)
+                peaks.append(_micro_peak(model, batch, optimizer, device, precision,
+                                         zero_grad, step, scale))
+                del batch
         peak = max(peaks, key=lambda p: p.peak_bytes)
         for p in peaks:
             p.modules, p.optimizers = [], []  # keep no fake tensor alive past the mode

@@ -1,0 +1,156 @@
+"""Kill and resume: real subprocess runs stopped by SIGTERM/SIGINT, resumed into the same
+folder, against an uninterrupted run with the same seed (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, logged, subprocess_env
+
+QUIET = ["callbacks=minimal", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false"]
+
+
+def gpt(root: Path) -> list[str]:
+    """A 2-epoch run of 6 steps each: tiny GPT with dropout (global RNG), random windows
+    from a seeded sampler, warm-up + cosine LR per step."""
+    return ["experiment=shakespeare_gpt", f"data.root={root}", "data.block_size=32",
+            "data.batch_size=8", "data.train_windows=48", "data.val_windows=4",
+            "model.n_layer=2", "model.n_embd=32", "model.sample_tokens=8",
+            "model.scheduler.warmup_steps=3", "trainer.max_epochs=2",
+            "trainer.log_every_n_steps=1", *QUIET]
+
+
+# U-Net on the synthetic set: 8 images, batch 2 -> 4 shuffled batches per epoch (the
+# loader's own generator), 2 epochs
+UNET = ["data.image_size=32", "data.num_train=8", "data.num_val=2", "data.batch_size=2",
+        "trainer.max_epochs=2", "trainer.accelerator=cpu", "trainer.log_every_n_steps=1",
+        "model.arch_kwargs.decoder_channels=[16,16,8,8,8]", *QUIET]
+
+
+def train_proc(run_dir: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *overrides,
+                           f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def kill_at(step: int, name: str = "SIGTERM") -> list[str]:
+    return ["+callbacks.kill._target_=tests.helpers.SignalAtStep", f"+callbacks.kill.step={step}",
+            f"+callbacks.kill.signal={name}"]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def ckpt(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False,
+                      map_location="cpu")
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(tmp_path_factory, shakespeare_root):
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    proc = train_proc(run_dir, gpt(shakespeare_root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def assert_same_run(reference: Path, resumed: Path, steps: int) -> None:
+    losses = logged(reference, "train/loss_step")
+    assert sorted(losses) == list(range(steps))  # CSV steps are 0-based logger steps
+    assert logged(resumed, "train/loss_step") == losses  # every step, bit for bit
+    assert logged(resumed, "val/loss") == logged(reference, "val/loss")
+    ref, res = ckpt(reference), ckpt(resumed)
+    assert res["global_step"] == ref["global_step"] == steps
+    assert summary(resumed)["global_step"] == steps
+    for key, value in ref["state_dict"].items():
+        assert torch.equal(res["state_dict"][key], value), key
+
+
+@pytest.mark.parametrize("step", [
+    pytest.param(2, id="mid-epoch"),
+    pytest.param(5, id="last-batch-of-epoch", marks=pytest.mark.slow),  # ~30 s
+])
+def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, shakespeare_root,
+                                                            gpt_reference, step):
+    run_dir = tmp_path / "run"
+    killed = train_proc(run_dir, [*gpt(shakespeare_root), *kill_at(step)])
+    assert killed.returncode == 128 + signal.SIGTERM, killed.stderr[-3000:]
+    stopped = summary(run_dir)
+    assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGTERM"
+    # the signal arrived while step+1 ran: that step completes, is saved, then the run stops
+    assert stopped["global_step"] == step + 1 == ckpt(run_dir)["global_step"]
+    assert stopped["last_model_path"] == str(run_dir / "checkpoints" / "last.ckpt")
+    rows_before = logged(run_dir, "train/loss_step")
+    assert sorted(rows_before) == list(range(step + 1))
+
+    resumed = train_proc(run_dir, [*gpt(shakespeare_root),
+                                   f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(run_dir)["status"] == "completed"
+    assert summary(run_dir)["resumed_from"].endswith("last.ckpt")
+    assert_same_run(gpt_reference, run_dir, steps=12)
+
+
+@pytest.fixture(scope="module")
+def unet_reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    proc = train_proc(run_dir, UNET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow  # ~40 s each
+@pytest.mark.parametrize("step", [1, 3], ids=["mid-epoch", "last-batch-of-epoch"])
+def test_sigint_then_resume_of_a_shuffled_loader_is_exact(tmp_path, unet_reference, step):
+    """The synthetic set's loader shuffles with its own generator; the U-Net's cosine LR
+    steps per epoch (the epoch-end case checks it is stepped once)."""
+    run_dir = tmp_path / "run"
+    reference = unet_reference
+    killed = train_proc(run_dir, [*UNET, *kill_at(step, "SIGINT")])
+    assert killed.returncode == 128 + signal.SIGINT, killed.stderr[-3000:]
+    assert summary(run_dir)["status"] == "interrupted"
+    assert summary(run_dir)["signal"] == "SIGINT"
+    assert ckpt(run_dir)["global_step"] == step + 1
+    resumed = train_proc(run_dir, [*UNET, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(reference, run_dir, steps=8)
+
+
+def test_sigterm_from_outside_saves_a_checkpoint_and_exits_non_zero(tmp_path):
+    """``kill -TERM <pid>`` while the run trains: status interrupted, last.ckpt at the last
+    completed step, exit code 143."""
+    run_dir = tmp_path / "run"
+    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *UNET,
+                             "trainer.max_epochs=1000", f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            path = run_dir / "summary.json"
+            if path.is_file() and json.loads(path.read_text())["status"] == "running":
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)  # a few steps in
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    stopped = summary(run_dir)
+    assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGTERM"
+    assert stopped["global_step"] == ckpt(run_dir)["global_step"] >= 1

@@ -1,0 +1,107 @@
+"""One folder per run (unique names, a lock no two live runs share), Hydra callbacks and the
+console scripts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from remat.callbacks import RunDirInUse, claim_run_dir, release_run_dir
+from remat.train import train
+from tests.helpers import REPO, TINY, compose_train, subprocess_env
+
+FAST = ["data.image_size=32", "data.num_train=2", "data.num_val=2", "data.batch_size=2",
+        "trainer.max_steps=1", "trainer.accelerator=cpu", "callbacks=minimal",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+        "model.arch_kwargs.decoder_channels=[16,16,8,8,8]"]
+
+
+def _start(cwd: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *FAST, *args], cwd=cwd,
+                            env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_two_runs_started_at_once_get_two_folders(tmp_path):
+    procs = [_start(tmp_path), _start(tmp_path)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:]
+    runs = sorted(p.parent for p in (tmp_path / "outputs").glob("*/*/summary.json"))
+    assert len(runs) == 2 and runs[0] != runs[1]
+    for run in runs:  # each folder holds one run's files, each complete
+        assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+        assert (run / "checkpoints" / "last.ckpt").is_file()
+        assert (run / ".hydra" / "config.yaml").is_file()
+
+
+def test_a_run_whose_folder_is_in_use_fails_before_writing_anything(tmp_path):
+    busy = tmp_path / "busy"
+    claim_run_dir(busy)  # a live run (this process) holds the folder
+    try:
+        proc = _start(tmp_path, f"hydra.run.dir={busy}")
+        _, err = proc.communicate(timeout=600)
+    finally:
+        release_run_dir(busy)
+    assert proc.returncode != 0
+    assert f"output folder {busy} is in use by another run (pid" in err
+    assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # no .hydra/, no log
+
+
+def test_train_claims_its_folder_and_the_same_process_may_claim_again(tmp_path):
+    folder = claim_run_dir(tmp_path / "a")
+    assert claim_run_dir(tmp_path / "a") == folder  # counted, not refused
+    release_run_dir(folder)
+    summary = train(compose_train(tmp_path / "a", [*TINY, "trainer.max_steps=1"]))
+    assert summary["status"] == "completed"
+    release_run_dir(folder)
+    assert (tmp_path / "a" / ".lock").read_text().startswith("pid ")
+
+
+def test_in_use_error_names_the_holder(tmp_path):
+    # a second process holding the lock: this one is refused, naming it
+    code = ("import sys, time; from remat.callbacks import claim_run_dir; "
+            f"claim_run_dir({str(tmp_path / 'x')!r}); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirInUse, match=rf"in use by another run \(pid {holder.pid} on"):
+            claim_run_dir(tmp_path / "x")
+    finally:
+        holder.kill()
+        holder.wait()
+    claim_run_dir(tmp_path / "x")  # the holder is gone: the folder is free again
+    release_run_dir(tmp_path / "x")
+
+
+def test_every_entry_point_has_a_console_script():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == {"remat-train", "remat-bench", "remat-estimate", "remat-report",
+                            "remat-eval"}
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        assert callable(getattr(import_module(module), func)), name
+    from remat.report import main
+
+    assert main([str(REPO / "no-such-dir")]) == 1
+
+
+def test_torch_requirement_has_no_patch_level_cap():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_spec = next(d for d in deps if d.startswith("torch") and not d.startswith("torchv"))
+    assert torch_spec == "torch>=2.4"
+    assert "torch==2.14.1" in (REPO / "Makefile").read_text()  # what this machine installs
+
+
+def test_csv_and_tensorboard_loggers_side_by_side(tmp_path):
+    summary = train(compose_train(tmp_path, [*TINY, "trainer.max_steps=1",
+                                             "logger=[csv,tensorboard]"]))
+    assert summary["status"] == "completed"
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "csv" / "metrics.csv").is_file()

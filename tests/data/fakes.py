@@ -266,3 +266,33 @@ def make_fake_deepglobe(root: Path, n: int = 6, size: int = 32) -> dict[str, np.
                                  mask_rgb=(255, 255, 255), jitter=60, quality=95)
     save(paint(binary_labels(size, size, 0), 0), root / "valid" / "999_sat.jpg", quality=95)
     return out
+
+
+# --------------------------------------------------------------------------- 16-bit files
+
+
+def save_png16(array: np.ndarray, path: Path) -> Path:
+    """Write a uint16 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB) array as a 16-bit PNG.
+
+    Pillow writes 16-bit grey PNGs but no 16-bit RGB ones, so the file is assembled here as
+    the PNG specification lays it out: signature, IHDR (bit depth 16, colour type 0 or 2),
+    one zlib-compressed IDAT of big-endian rows each led by filter byte 0, IEND.
+    """
+    import struct
+    import zlib
+
+    array = np.asarray(array, dtype=np.uint16)
+    height, width = array.shape[:2]
+    colour_type = 2 if array.ndim == 3 else 0
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    rows = array.astype(">u2").reshape(height, -1)
+    raw = b"".join(b"\x00" + row.tobytes() for row in rows)
+    header = struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return path

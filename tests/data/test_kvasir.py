@@ -13,8 +13,8 @@ from torchvision.io import ImageReadMode, encode_jpeg, write_file
 from remat.data import KvasirSegDataModule, KvasirSegDataset
 from remat.data.io import DataFileError, read_image
 from remat.data.kvasir import KVASIR_URL, split_ids
-from remat.data.verify import DataCheckError
 from remat.data.transforms import eval_transform, train_transform
+from remat.data.verify import DataCheckError
 
 # The fake copies are written with torchvision's (deprecated since 0.29) JPEG encoder.
 pytestmark = pytest.mark.filterwarnings(

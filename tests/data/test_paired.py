@@ -11,8 +11,8 @@ from torchvision.io import ImageReadMode
 
 from remat.data import DubaiAerialDataModule, ISBI2012DataModule
 from remat.data.io import DataFileError, read_image
-from remat.data.masks import colour_mask, index_mask, threshold_mask
 from remat.data.layout import list_files, natural_key
+from remat.data.masks import colour_mask, index_mask, threshold_mask
 from remat.data.patches import Box, PatchSampler, crop_pad
 from remat.data.sizes import as_pair
 from remat.data.verify import DataCheckError

@@ -205,6 +205,42 @@ def test_eval_refuses_a_test_split_the_dataset_does_not_have(tmp_path, trained, 
         evaluate(isbi)
 
 
+def test_another_dataset_scores_with_the_runs_model(tmp_path, trained, isbi_root):
+    """data=<name> scores the run's model on another dataset (its size keys differ: warned)."""
+    ckpt, _ = trained
+    cfg = compose_eval(tmp_path, ["data=isbi2012", f"data.root={isbi_root}", "data.limit_val=1",
+                                  f"ckpt_path={ckpt}"])
+    with pytest.warns(UserWarning, match=r"data.patch_size=256 but the run trained with "
+                                         r"data.patch_size=None"):
+        result = evaluate(cfg)
+    assert [(r["name"], r["height"], r["width"]) for r in _rows(tmp_path)] == [
+        ("25", "512", "512")]  # the first val section, whole
+    assert result["task_name"] == "train"  # the run's
+    assert cfg.model.encoder_name == "resnet18"
+
+
+def test_drive_test_split_scores_the_labelled_test_folder(tmp_path):
+    """split=test runs Trainer.test on DRIVE's labelled test/ (fake tree, published layout),
+    scoring inside the field of view only."""
+    from hydra.utils import instantiate
+
+    from tests.data import fakes
+
+    fakes.make_fake_drive(tmp_path / "data" / "DRIVE", size=(40, 44))
+    cfg = compose_eval(tmp_path / "out", [
+        "experiment=drive_unet", f"data.root={tmp_path / 'data'}", "model.inference.patch_size=32",
+        "split=test", f"ckpt_path={tmp_path / 'init.ckpt'}"])
+    model = instantiate(cfg.model)
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)},
+               tmp_path / "init.ckpt")
+    result = evaluate(cfg)
+    rows = _rows(tmp_path / "out")
+    assert [r["name"] for r in rows] == ["test/01", "test/02"]
+    assert {(r["height"], r["width"]) for r in rows} == {("40", "44")}
+    assert set(result["metrics"]) == {"test/loss", "test/dice", "test/iou", "test/acc"}
+    assert result["split"] == "test" and result["task_name"] == "drive_unet"
+
+
 def test_tiny_real_kvasir_run_is_scored_at_its_own_size(tmp_path, kvasir_root):
     """The issue's case: a Kvasir-SEG run trained at 128 px, evaluated with the experiment
     (whose default is 256 px) and no size override, scores at 128 px, as its validation did."""

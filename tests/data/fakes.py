@@ -58,6 +58,31 @@ def paint(labels: np.ndarray, seed: int, channels: int = 3) -> np.ndarray:
     return base if channels == 1 else np.repeat(base[..., None], 3, axis=2)
 
 
+# --------------------------------------------------------------------------- Kvasir-SEG
+
+
+def square_mask(height: int, width: int) -> np.ndarray:
+    """uint8 ``[H, W]``: 1 on rows ``H/8:H/2``, columns ``W/8:W/2``, 0 elsewhere."""
+    mask = np.zeros((height, width), dtype=np.uint8)
+    mask[height // 8: height // 2, width // 8: width // 2] = 1
+    return mask
+
+
+def make_fake_kvasir(root: Path, n: int = 6, height: int = 48, width: int = 64) -> list[str]:
+    """``images/<id>.jpg`` (RGB, 230 on the polyp, 40 + 5 i elsewhere) and ``masks/<id>.jpg``
+    (RGB JPEG, 255 on the polyp, 0 elsewhere: :func:`square_mask`), ids ``fake00``...
+    Returns the ids."""
+    ids = [f"fake{i:02d}" for i in range(n)]
+    for i, stem in enumerate(ids):
+        mask = square_mask(height, width)
+        image = np.where(mask == 1, 230, 40 + 5 * i).astype(np.uint8)
+        save(np.repeat(image[..., None], 3, axis=2), root / "images" / f"{stem}.jpg",
+             quality=95)
+        save(np.repeat((mask * 255)[..., None], 3, axis=2), root / "masks" / f"{stem}.jpg",
+             quality=95)
+    return ids
+
+
 # --------------------------------------------------------------------------- ISBI 2012
 
 

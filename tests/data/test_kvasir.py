@@ -8,18 +8,14 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from torchvision.io import ImageReadMode, encode_jpeg, write_file
+from torchvision.io import ImageReadMode
 
 from remat.data import KvasirSegDataModule, KvasirSegDataset
 from remat.data.io import DataFileError, read_image
 from remat.data.kvasir import KVASIR_URL, split_ids
 from remat.data.transforms import eval_transform, train_transform
 from remat.data.verify import DataCheckError
-
-# The fake copies are written with torchvision's (deprecated since 0.29) JPEG encoder.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The image decoding and encoding capabilities:DeprecationWarning"
-)
+from tests.data import fakes
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "kvasir_seg.yaml"
 
@@ -28,28 +24,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "kvasir_seg.
 
 
 def _write_jpeg(path: Path, rgb: torch.Tensor) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(str(path), encode_jpeg(rgb, quality=95))
-
-
-def _square_mask(height: int, width: int) -> torch.Tensor:
-    """uint8 [H, W]: 1 on a square in the top-left quarter-ish, 0 elsewhere."""
-    mask = torch.zeros(height, width, dtype=torch.uint8)
-    mask[height // 8 : height // 2, width // 8 : width // 2] = 1
-    return mask
-
-
-def make_fake_kvasir(root: Path, n: int = 6, height: int = 48, width: int = 64) -> list[str]:
-    """Write ``n`` pairs in the published layout: images/<id>.jpg (RGB, bright where the
-    polyp is), masks/<id>.jpg (RGB, 255 on the polyp, 0 elsewhere). Returns the ids."""
-    ids = [f"fake{i:02d}" for i in range(n)]
-    for i, stem in enumerate(ids):
-        mask = _square_mask(height, width)
-        image = torch.full((3, height, width), 40 + 5 * i, dtype=torch.uint8)
-        image[:, mask.bool()] = 230
-        _write_jpeg(root / "images" / f"{stem}.jpg", image)
-        _write_jpeg(root / "masks" / f"{stem}.jpg", (mask * 255).expand(3, -1, -1).contiguous())
-    return ids
+    fakes.save(rgb.permute(1, 2, 0).numpy(), path, quality=95)
 
 
 def _dataset(root: Path, transform) -> KvasirSegDataset:
@@ -62,7 +37,7 @@ def _dataset(root: Path, transform) -> KvasirSegDataset:
 @pytest.fixture
 def fake_root(tmp_path: Path) -> Path:
     root = tmp_path / "Kvasir-SEG"
-    make_fake_kvasir(root)
+    fakes.make_fake_kvasir(root)
     return root
 
 
@@ -258,7 +233,7 @@ def test_corrupt_file_is_named_by_the_data_check_and_when_loaded(fake_root: Path
 
 
 def test_size_mismatch_names_file_and_both_sizes(fake_root: Path):
-    mask = (_square_mask(30, 20) * 255).expand(3, -1, -1).contiguous()
+    mask = torch.from_numpy(fakes.square_mask(30, 20) * 255).expand(3, -1, -1).contiguous()
     _write_jpeg(fake_root / "masks" / "fake04.jpg", mask)
     dataset = _dataset(fake_root, eval_transform(16))
     with pytest.raises(DataFileError, match="fake04") as info:

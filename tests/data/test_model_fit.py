@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from remat.data import ISBI2012DataModule, KvasirSegDataModule, SyntheticSegDataModule
 from remat.models.checks import check_model_fits_data
 from remat.train import train
-from tests.data.test_kvasir import make_fake_kvasir
+from tests.data.fakes import make_fake_kvasir
 from tests.helpers import TINY_TRAINER, compose_train
 
 

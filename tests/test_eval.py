@@ -81,6 +81,16 @@ def test_a_size_override_goes_on_top_and_warns(tmp_path, trained):
     assert {(r["height"], r["width"]) for r in _rows(tmp_path / "r")} == {("96", "128")}
 
 
+def test_an_experiment_other_than_the_runs_warns_and_the_run_config_wins(tmp_path, trained):
+    ckpt, summary = trained
+    with pytest.warns(UserWarning, match=r"experiment=isbi2012_unet \(task isbi2012_unet\) is "
+                                         r"not what the checkpoint's run trained \(task train"):
+        result = evaluate(compose_eval(tmp_path, ["experiment=isbi2012_unet", f"ckpt_path={ckpt}"]))
+    assert result["task_name"] == "train" and result["num_images"] == 4  # the synthetic run
+    assert result["metrics"]["val/dice"] == pytest.approx(summary["metrics"]["val/dice"],
+                                                          abs=1e-6)
+
+
 def test_without_the_run_config_the_command_line_decides(tmp_path, trained):
     ckpt, _ = trained
     result = evaluate(compose_eval(tmp_path, [f"ckpt_path={ckpt}", "run_config=null",

@@ -85,17 +85,17 @@ def _run_config_path(cfg: DictConfig) -> Path | None:
     return path
 
 
-def _command_line() -> tuple[list[Any], set[str]]:
-    """The parsed command-line overrides and the names of the config groups."""
+def _command_line() -> tuple[list[Any], dict[str, Any]]:
+    """The parsed command-line overrides and the config groups' choices (``{group: option}``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
         hydra_cfg = HydraConfig.get()
     except ValueError:  # evaluate() called without Hydra
-        return [], set()
+        return [], {}
     overrides = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
-    return overrides, set(hydra_cfg.runtime.choices)
+    return overrides, dict(hydra_cfg.runtime.choices)
 
 
 def _delete(cfg: DictConfig, key: str) -> None:
@@ -136,10 +136,10 @@ def eval_config(cfg: DictConfig, run: DictConfig | None, run_path: Path | None =
                 OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
     if "experiment" in chosen and cfg.get("task_name") != run.get("task_name"):
         warnings.warn(
-            f"experiment={OmegaConf.select(cfg, 'hydra.runtime.choices.experiment', default='')}"
-            f" (task {cfg.get('task_name')}) is not what the checkpoint's run trained (task "
-            f"{run.get('task_name')}, {run_path}); scoring with the run's config. Pass "
-            "run_config=null to score with the experiment instead", UserWarning, stacklevel=2)
+            f"experiment={groups['experiment']} (task {cfg.get('task_name')}) is not what the "
+            f"checkpoint's run trained (task {run.get('task_name')}, {run_path}); scoring with "
+            "the run's config. Pass run_config=null to score with the experiment instead",
+            UserWarning, stacklevel=2)
     return merged
 
 

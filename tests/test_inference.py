@@ -94,3 +94,27 @@ def test_bad_settings_name_the_config_key():
         SlidingWindow(64, blend="linear")
     with pytest.raises(ValueError, match=r"images \[B, C, H, W\]"):
         sliding_window_inference(nn.Identity(), torch.zeros(3, 8, 8), SlidingWindow(8))
+
+
+def test_height_width_windows_from_a_config_list():
+    """``model.inference.patch_size=[h, w]`` (a ListConfig from Hydra): non-square windows,
+    each placed where it belongs; a window the size of the image is one forward pass."""
+    from omegaconf import OmegaConf
+
+    net = nn.Conv2d(3, 2, kernel_size=1).eval()
+    images = torch.randn(1, 3, 96, 160)
+    with torch.no_grad():
+        plain = net(images)
+    window = SlidingWindow(patch_size=OmegaConf.create([32, 64]), overlap=0.5, size_divisor=1)
+    assert window.patch == (32, 64)
+    torch.testing.assert_close(sliding_window_inference(net, images, window), plain,
+                               rtol=1e-5, atol=1e-6)
+    exact = sliding_window_inference(net, images, SlidingWindow(patch_size=[96, 160]))
+    assert torch.equal(exact, plain)
+
+
+@pytest.mark.parametrize("size", [0, [32], [32, 0], "64", 2.5, True])
+def test_bad_window_sizes_name_the_key(size):
+    with pytest.raises(ValueError, match=r"model.inference.patch_size must be a positive int "
+                                         r"or \[height, width\]"):
+        SlidingWindow(patch_size=size)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from remat.data.sizes import as_pair
+
 BLENDS = ("gaussian", "constant")
 
 
@@ -26,7 +28,8 @@ class SlidingWindow:
     """Settings of :func:`sliding_window_inference` (the ``model.inference`` config node).
 
     Attributes:
-        patch_size: window side in pixels (an int, or ``(height, width)``).
+        patch_size: window side in pixels (an int, or ``[height, width]``; see
+            :func:`remat.data.sizes.as_pair`).
         overlap: fraction of a window shared with its neighbour, in ``[0, 1)``; the stride is
             ``ceil(patch * (1 - overlap))`` pixels.
         batch_size: windows per forward pass (changes speed and memory, not the result).
@@ -43,9 +46,7 @@ class SlidingWindow:
     size_divisor: int = 32
 
     def __post_init__(self) -> None:
-        size = self.patch
-        if min(size) < 1:
-            raise ValueError(f"model.inference.patch_size must be >= 1, got {self.patch_size}")
+        as_pair(self.patch_size, "model.inference.patch_size")  # raises naming the key
         if not 0.0 <= self.overlap < 1.0:
             raise ValueError(f"model.inference.overlap must be in [0, 1), got {self.overlap}")
         if self.batch_size < 1:
@@ -59,10 +60,7 @@ class SlidingWindow:
     @property
     def patch(self) -> tuple[int, int]:
         """``(height, width)`` of a window in pixels."""
-        if isinstance(self.patch_size, int):
-            return (self.patch_size, self.patch_size)
-        height, width = self.patch_size
-        return (int(height), int(width))
+        return as_pair(self.patch_size, "model.inference.patch_size")
 
 
 def window_starts(length: int, window: int, overlap: float) -> list[int]:

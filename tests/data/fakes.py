@@ -58,6 +58,31 @@ def paint(labels: np.ndarray, seed: int, channels: int = 3) -> np.ndarray:
     return base if channels == 1 else np.repeat(base[..., None], 3, axis=2)
 
 
+# --------------------------------------------------------------------------- Kvasir-SEG
+
+
+def square_mask(height: int, width: int) -> np.ndarray:
+    """uint8 ``[H, W]``: 1 on rows ``H/8:H/2``, columns ``W/8:W/2``, 0 elsewhere."""
+    mask = np.zeros((height, width), dtype=np.uint8)
+    mask[height // 8: height // 2, width // 8: width // 2] = 1
+    return mask
+
+
+def make_fake_kvasir(root: Path, n: int = 6, height: int = 48, width: int = 64) -> list[str]:
+    """``images/<id>.jpg`` (RGB, 230 on the polyp, 40 + 5 i elsewhere) and ``masks/<id>.jpg``
+    (RGB JPEG, 255 on the polyp, 0 elsewhere: :func:`square_mask`), ids ``fake00``...
+    Returns the ids."""
+    ids = [f"fake{i:02d}" for i in range(n)]
+    for i, stem in enumerate(ids):
+        mask = square_mask(height, width)
+        image = np.where(mask == 1, 230, 40 + 5 * i).astype(np.uint8)
+        save(np.repeat(image[..., None], 3, axis=2), root / "images" / f"{stem}.jpg",
+             quality=95)
+        save(np.repeat((mask * 255)[..., None], 3, axis=2), root / "masks" / f"{stem}.jpg",
+             quality=95)
+    return ids
+
+
 # --------------------------------------------------------------------------- ISBI 2012
 
 
@@ -266,3 +291,33 @@ def make_fake_deepglobe(root: Path, n: int = 6, size: int = 32) -> dict[str, np.
                                  mask_rgb=(255, 255, 255), jitter=60, quality=95)
     save(paint(binary_labels(size, size, 0), 0), root / "valid" / "999_sat.jpg", quality=95)
     return out
+
+
+# --------------------------------------------------------------------------- 16-bit files
+
+
+def save_png16(array: np.ndarray, path: Path) -> Path:
+    """Write a uint16 ``[H, W]`` (grey) or ``[H, W, 3]`` (RGB) array as a 16-bit PNG.
+
+    Pillow writes 16-bit grey PNGs but no 16-bit RGB ones, so the file is assembled here as
+    the PNG specification lays it out: signature, IHDR (bit depth 16, colour type 0 or 2),
+    one zlib-compressed IDAT of big-endian rows each led by filter byte 0, IEND.
+    """
+    import struct
+    import zlib
+
+    array = np.asarray(array, dtype=np.uint16)
+    height, width = array.shape[:2]
+    colour_type = 2 if array.ndim == 3 else 0
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    rows = array.astype(">u2").reshape(height, -1)
+    raw = b"".join(b"\x00" + row.tobytes() for row in rows)
+    header = struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return path

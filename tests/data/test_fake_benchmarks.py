@@ -26,7 +26,9 @@ from remat.data import (
     MassachusettsBuildingsDataModule,
     MassachusettsRoadsDataModule,
 )
-from remat.data.paired import PairedSegDataModule, natural_key, split_ids
+from remat.data.layout import natural_key
+from remat.data.patch_seg import PatchSegDataModule
+from remat.data.splits import split_ids
 from tests.data import fakes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "data"
@@ -178,7 +180,7 @@ def test_loveda_maps_no_data_to_ignore_and_shifts_classes(tmp_path: Path):
     with pytest.raises(ValueError, match=r"holds value\(s\) \[9\] outside") as info:
         dm.val_set[1]
     assert str(bad) in str(info.value)
-    rural = LoveDADataModule(tmp_path, scenes=["Rural"])
+    rural = LoveDADataModule(tmp_path, scenes=["Rural"], verify=False)
     rural.setup()
     assert all("/Rural/" in n for split in rural.splits.values() for n in split)
     with pytest.raises(ValueError, match="data.scenes"):
@@ -236,7 +238,7 @@ def test_cases_cover_every_file_datamodule():
     import remat.data as data
 
     paired = {getattr(data, n) for n in data.__all__ if n.endswith("DataModule")
-              and issubclass(getattr(data, n), PairedSegDataModule)}
+              and issubclass(getattr(data, n), PatchSegDataModule)}
     assert paired == {cls for cls, _, _ in CASES.values()}
 
 

@@ -12,8 +12,7 @@ from torchvision.io import ImageReadMode
 
 from remat.data import ISBI2012DataModule
 from remat.data.io import read_image
-from remat.data.paired import GREY_MEAN, GREY_STD
-from remat.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from remat.data.transforms import GREY_MEAN, GREY_STD, IMAGENET_MEAN, IMAGENET_STD
 from tests.data.fakes import make_fake_isbi
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "isbi2012.yaml"

@@ -8,17 +8,14 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from torchvision.io import ImageReadMode, encode_jpeg, write_file
+from torchvision.io import ImageReadMode
 
 from remat.data import KvasirSegDataModule, KvasirSegDataset
-from remat.data.io import read_image
+from remat.data.io import DataFileError, read_image
 from remat.data.kvasir import KVASIR_URL, split_ids
 from remat.data.transforms import eval_transform, train_transform
-
-# The fake copies are written with torchvision's (deprecated since 0.29) JPEG encoder.
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The image decoding and encoding capabilities:DeprecationWarning"
-)
+from remat.data.verify import DataCheckError
+from tests.data import fakes
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "kvasir_seg.yaml"
 
@@ -27,34 +24,20 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "kvasir_seg.
 
 
 def _write_jpeg(path: Path, rgb: torch.Tensor) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(str(path), encode_jpeg(rgb, quality=95))
+    fakes.save(rgb.permute(1, 2, 0).numpy(), path, quality=95)
 
 
-def _square_mask(height: int, width: int) -> torch.Tensor:
-    """uint8 [H, W]: 1 on a square in the top-left quarter-ish, 0 elsewhere."""
-    mask = torch.zeros(height, width, dtype=torch.uint8)
-    mask[height // 8 : height // 2, width // 8 : width // 2] = 1
-    return mask
-
-
-def make_fake_kvasir(root: Path, n: int = 6, height: int = 48, width: int = 64) -> list[str]:
-    """Write ``n`` pairs in the published layout: images/<id>.jpg (RGB, bright where the
-    polyp is), masks/<id>.jpg (RGB, 255 on the polyp, 0 elsewhere). Returns the ids."""
-    ids = [f"fake{i:02d}" for i in range(n)]
-    for i, stem in enumerate(ids):
-        mask = _square_mask(height, width)
-        image = torch.full((3, height, width), 40 + 5 * i, dtype=torch.uint8)
-        image[:, mask.bool()] = 230
-        _write_jpeg(root / "images" / f"{stem}.jpg", image)
-        _write_jpeg(root / "masks" / f"{stem}.jpg", (mask * 255).expand(3, -1, -1).contiguous())
-    return ids
+def _dataset(root: Path, transform) -> KvasirSegDataset:
+    """All pairs of a fake copy, sorted by id, served with ``transform``."""
+    dm = KvasirSegDataModule(root, val_size=1, verify=False)
+    dm.setup()
+    return KvasirSegDataset([dm.pairs[n] for n in sorted(dm.pairs)], transform)
 
 
 @pytest.fixture
 def fake_root(tmp_path: Path) -> Path:
     root = tmp_path / "Kvasir-SEG"
-    make_fake_kvasir(root)
+    fakes.make_fake_kvasir(root)
     return root
 
 
@@ -62,7 +45,7 @@ def fake_root(tmp_path: Path) -> Path:
 
 
 def test_real_split_is_880_120_deterministic_and_disjoint(kvasir_root: Path):
-    dm = KvasirSegDataModule(kvasir_root)
+    dm = KvasirSegDataModule(kvasir_root, verify=False)
     dm.setup("fit")
     assert (len(dm.train_ids), len(dm.val_ids)) == (880, 120)
     assert not set(dm.train_ids) & set(dm.val_ids)
@@ -70,16 +53,25 @@ def test_real_split_is_880_120_deterministic_and_disjoint(kvasir_root: Path):
     assert sorted(dm.train_ids + dm.val_ids) == all_ids
     assert (len(dm.train_set), len(dm.val_set)) == (880, 120)
 
-    again = KvasirSegDataModule(str(kvasir_root))
+    again = KvasirSegDataModule(str(kvasir_root), verify=False)
     again.setup("validate")
     assert (again.train_ids, again.val_ids) == (dm.train_ids, dm.val_ids)
-    other = KvasirSegDataModule(kvasir_root, split_seed=0)
+    other = KvasirSegDataModule(kvasir_root, split_seed=0, verify=False)
     other.setup()
     assert set(other.val_ids) != set(dm.val_ids) and len(other.val_ids) == 120
 
 
+def test_real_copy_passes_the_data_check(kvasir_root: Path, caplog):
+    """data.verify=auto checks all 2000 files of the real copy (fit reads train and val)."""
+    dm = KvasirSegDataModule(kvasir_root)
+    with caplog.at_level("INFO", logger="remat.data.verify"):
+        dm.setup("fit")
+    assert dm.verify == "auto"
+    assert "2000 files decoded" in caplog.text and "none bad" in caplog.text
+
+
 def test_real_samples_load_as_binary_masks(kvasir_root: Path):
-    dm = KvasirSegDataModule(kvasir_root, image_size=128, limit_val=3)
+    dm = KvasirSegDataModule(kvasir_root, image_size=128, limit_val=3, verify=False)
     dm.setup()
     assert dm.num_classes == 1 and len(dm.val_set) == 3
     for index, stem in enumerate(dm.val_ids):
@@ -97,14 +89,14 @@ def test_real_samples_load_as_binary_masks(kvasir_root: Path):
         assert abs(sample["mask"].float().mean().item() - raw_fraction) < 0.02
 
 
-def test_real_train_batch_at_64px(kvasir_root: Path):
-    dm = KvasirSegDataModule(kvasir_root, image_size=64, batch_size=4, limit_train=8)
+def test_real_train_batch_at_64_by_48px(kvasir_root: Path):
+    dm = KvasirSegDataModule(kvasir_root, image_size=[64, 48], batch_size=4, limit_train=8)
     dm.setup("fit")
     loader = dm.train_dataloader()
     assert len(loader) == 2 and loader.drop_last
     batch = next(iter(loader))
-    assert batch["image"].shape == (4, 3, 64, 64) and batch["image"].dtype == torch.float32
-    assert batch["mask"].shape == (4, 64, 64) and batch["mask"].dtype == torch.int64
+    assert batch["image"].shape == (4, 3, 64, 48) and batch["image"].dtype == torch.float32
+    assert batch["mask"].shape == (4, 64, 48) and batch["mask"].dtype == torch.int64
     assert set(batch["mask"].unique().tolist()) <= {0, 1}
     assert 0.0 < batch["mask"].float().mean().item() < 1.0
 
@@ -117,7 +109,10 @@ def test_real_config_points_at_data_dir(kvasir_root: Path):
     dm = instantiate(cfg.data, image_size=32, limit_train=2, limit_val=2)
     assert isinstance(dm, KvasirSegDataModule)
     assert Path(dm.root) == kvasir_root
-    assert (dm.val_size, dm.split_seed, dm.num_classes) == (120, 42, 1)
+    assert (dm.val_size, dm.split_seed, dm.num_classes, dm.in_channels) == (120, 42, 1, 3)
+    assert (dm.verify, dm.image_mode, dm.image_size) == ("auto", "rgb", (32, 32))
+    dm.setup("fit")  # 2 + 2 pairs checked, then loaded
+    assert next(iter(dm.val_dataloader()))["image"].shape == (2, 3, 32, 32)
 
 
 # ---------------------------------------------------------------------------- fake copies
@@ -141,10 +136,9 @@ def test_parent_of_the_dataset_folder_is_accepted(fake_root: Path):
 
 
 def test_masks_stay_aligned_with_images_under_augmentation(fake_root: Path):
-    ids = sorted(p.stem for p in (fake_root / "images").iterdir())
-    dataset = KvasirSegDataset(fake_root, ids, train_transform(32))
+    dataset = _dataset(fake_root, train_transform(32))
     torch.manual_seed(0)
-    for index in range(len(ids)):
+    for index in range(len(dataset)):
         for _ in range(3):
             sample = dataset[index]
             mask = sample["mask"].bool()
@@ -156,7 +150,7 @@ def test_masks_stay_aligned_with_images_under_augmentation(fake_root: Path):
 
 def test_eval_transform_is_deterministic(fake_root: Path):
     ids = sorted(p.stem for p in (fake_root / "images").iterdir())
-    dataset = KvasirSegDataset(fake_root, ids, eval_transform(24))
+    dataset = _dataset(fake_root, eval_transform(24))
     a, b = dataset[1], dataset[1]
     assert torch.equal(a["image"], b["image"]) and torch.equal(a["mask"], b["mask"])
     # 48x64 resized to 24x24: the square [6:24, 8:32] becomes rows 3:12, cols 3:12.
@@ -221,24 +215,30 @@ def test_masks_without_images_are_named_up_to_five(fake_root: Path):
 
 
 @pytest.mark.parametrize("folder", ["images", "masks"])
-def test_corrupt_file_fails_when_loaded_and_names_it(fake_root: Path, folder: str):
+def test_corrupt_file_is_named_by_the_data_check_and_when_loaded(fake_root: Path, folder: str):
     bad = fake_root / folder / "fake02.jpg"
     bad.write_bytes(b"this is not a jpeg")
+    with pytest.raises(DataCheckError, match=r"1 of 12 files cannot be used") as info:
+        KvasirSegDataModule(fake_root, val_size=2).setup()  # both splits: 6 pairs
+    assert f"{bad}: cannot be decoded" in str(info.value)
+    expected = "an 8-bit RGB JPEG image" if folder == "images" else \
+        "a grey JPEG mask with the foreground >= 128"
+    assert f"; expected {expected}" in str(info.value)
     ids = sorted(p.stem for p in (fake_root / "images").iterdir())
-    dataset = KvasirSegDataset(fake_root, ids, eval_transform(16))
+    dataset = _dataset(fake_root, eval_transform(16))
     assert dataset[0]["mask"].shape == (16, 16)  # other samples still load
-    with pytest.raises(RuntimeError, match="fake02.jpg") as info:
+    with pytest.raises(DataFileError, match="fake02.jpg") as info:
         dataset[ids.index("fake02")]
     assert str(bad) in str(info.value)
 
 
 def test_size_mismatch_names_file_and_both_sizes(fake_root: Path):
-    mask = (_square_mask(30, 20) * 255).expand(3, -1, -1).contiguous()
+    mask = torch.from_numpy(fakes.square_mask(30, 20) * 255).expand(3, -1, -1).contiguous()
     _write_jpeg(fake_root / "masks" / "fake04.jpg", mask)
-    dataset = KvasirSegDataset(fake_root, ["fake04"], eval_transform(16))
-    with pytest.raises(ValueError, match="fake04") as info:
-        dataset[0]
-    assert "64x48" in str(info.value) and "20x30" in str(info.value)
+    dataset = _dataset(fake_root, eval_transform(16))
+    with pytest.raises(DataFileError, match="fake04") as info:
+        dataset[4]
+    assert "64x48 (WxH)" in str(info.value) and "20x30" in str(info.value)
 
 
 @pytest.mark.parametrize("val_size", [0, -1, 6, 7])

@@ -10,10 +10,12 @@ import torch
 from torchvision.io import ImageReadMode
 
 from remat.data import DubaiAerialDataModule, ISBI2012DataModule
-from remat.data.io import read_image
+from remat.data.io import DataFileError, read_image
+from remat.data.layout import list_files, natural_key
 from remat.data.masks import colour_mask, index_mask, threshold_mask
-from remat.data.paired import list_files, natural_key
-from remat.data.patches import Box, PatchSampler, as_pair, crop_pad
+from remat.data.patches import Box, PatchSampler, crop_pad
+from remat.data.sizes import as_pair
+from remat.data.verify import DataCheckError
 from tests.data.fakes import make_fake_dubai, make_fake_isbi, save
 
 # ---------------------------------------------------------------------------- patch sampler
@@ -146,7 +148,8 @@ def test_read_image_decodes_tif_and_gif_and_names_corrupt_files(tmp_path: Path):
     assert gif.shape == (1, 1, 3) and gif[0, 0].tolist() == [0, 255, 0]
     bad = tmp_path / "c.tif"
     bad.write_bytes(b"not a tiff")
-    with pytest.raises(RuntimeError, match="cannot decode image file .*c.tif"):
+    with pytest.raises(DataFileError, match=r"c.tif: cannot be decoded \(cannot identify "
+                                             r"image file .*\); expected an 8-bit TIFF image"):
         read_image(bad)
 
 
@@ -171,9 +174,13 @@ def test_bad_palette_colour_in_a_dataset_names_the_file(tmp_path: Path):
     rgb = np.zeros((40, 48, 3), dtype=np.uint8) + np.array([132, 41, 246], dtype=np.uint8)
     rgb[5, 5] = (80, 227, 194)  # #50E3C2, a colour of the release's stale classes.json
     save(rgb, path)
-    dm = DubaiAerialDataModule(tmp_path, val_tiles=[2])
+    colour = r"\(80, 227, 194\) #50E3C2 \(1 px\)"
+    with pytest.raises(DataCheckError, match=colour) as info:  # the data check lists it ...
+        DubaiAerialDataModule(tmp_path, val_tiles=[2]).setup()
+    assert f"{path}: holds 1 colour(s) not in the palette" in str(info.value)
+    dm = DubaiAerialDataModule(tmp_path, val_tiles=[2], verify=False)
     dm.setup()
-    with pytest.raises(ValueError, match=r"\(80, 227, 194\) #50E3C2 \(1 px\)") as info:
+    with pytest.raises(DataFileError, match=colour) as info:  # ... else the batch that meets it
         dm.val_set[0]
     assert str(path) in str(info.value)
 

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs
 from remat.data.masks import threshold_mask
-from remat.data.paired import ImageMaskPair, SeededSplitDataModule, list_files, match_pairs
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import SeededSplitDataModule
 
 CVC_URL = "https://polyp.grand-challenge.org/CVCClinicDB/"
 CVC_LAYOUT = "Original/<n>.tif|png and 'Ground Truth'/<n>.tif|png (polyp 255)"
@@ -33,9 +35,9 @@ class CVCClinicDBDataModule(SeededSplitDataModule):
         root: ``CVC-ClinicDB`` folder (holding ``Original/`` and ``Ground Truth/``, directly
             or under ``PNG/`` or ``TIF/``) or its parent. Hydra: ``data.root``.
         val_size: val frames (default 61, about 10 % of 612), drawn as in
-            :class:`remat.data.paired.SeededSplitDataModule`.
+            :class:`remat.data.patch_seg.SeededSplitDataModule`.
         split_seed: seed of that draw.
-        **kwargs: the options of :class:`remat.data.paired.PairedSegDataModule`.
+        **kwargs: the options of :class:`remat.data.patch_seg.PatchSegDataModule`.
 
     Masks are thresholded at 128 on their brightest channel (grey or RGB TIFFs alike).
     Batches: train ``[B, 3, p, p]`` patches; val whole ``[1, 3, 288, 384]`` frames.

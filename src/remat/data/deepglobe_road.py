@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs
 from remat.data.masks import threshold_mask
-from remat.data.paired import ImageMaskPair, SeededSplitDataModule, list_files, match_pairs
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import SeededSplitDataModule
 
 DEEPGLOBE_URL = "https://competitions.codalab.org/competitions/18467"
 DEEPGLOBE_LAYOUT = "train/<id>_sat.jpg and train/<id>_mask.png (road 255)"
@@ -30,9 +32,9 @@ class DeepGlobeRoadDataModule(SeededSplitDataModule):
     Args:
         root: the folder holding ``train/`` (or its parent, named ``DeepGlobe-Road``).
         val_size: val tiles (default 623, about 10 % of 6226), drawn as in
-            :class:`remat.data.paired.SeededSplitDataModule`.
+            :class:`remat.data.patch_seg.SeededSplitDataModule`.
         split_seed: seed of that draw.
-        **kwargs: the options of :class:`remat.data.paired.PairedSegDataModule`
+        **kwargs: the options of :class:`remat.data.patch_seg.PatchSegDataModule`
             (roads are thin and sparse: a ``foreground_prob`` of about 0.5 helps).
 
     Masks are thresholded at 128 (grey, as the challenge asks). Names are the numeric ids.

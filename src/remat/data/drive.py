@@ -16,21 +16,18 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs
 from remat.data.masks import threshold_mask
-from remat.data.paired import (
-    ImageMaskPair,
-    PairedSegDataModule,
-    list_files,
-    match_pairs,
-    tail_split,
-)
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import PatchSegDataModule
+from remat.data.splits import tail_split
 
 DRIVE_URL = "https://drive.grand-challenge.org/"
 DRIVE_LAYOUT = ("training/images/<n>_training.tif, training/1st_manual/<n>_manual1.gif, "
                 "training/mask/<n>_training_mask.gif")
 
 
-class DRIVEDataModule(PairedSegDataModule):
+class DRIVEDataModule(PatchSegDataModule):
     """DRIVE vessels: binary (``num_classes == 1``), vessel = class 1, plus ``"valid"`` (FOV).
 
     Args:
@@ -39,7 +36,7 @@ class DRIVEDataModule(PairedSegDataModule):
             (default 4: 37-40), the rest train.
         use_test: also serve ``test/`` as the labelled test split when
             ``test/1st_manual/`` exists (the original release); otherwise test runs on val.
-        **kwargs: the options of :class:`remat.data.paired.PairedSegDataModule`
+        **kwargs: the options of :class:`remat.data.patch_seg.PatchSegDataModule`
             (vessels are thin: ``foreground_prob`` helps).
 
     Items hold ``"valid": bool [h, w]``, True inside the FOV (patches: False on padding).

@@ -18,14 +18,10 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs, natural_key
 from remat.data.masks import IGNORE_INDEX, colour_mask
-from remat.data.paired import (
-    ImageMaskPair,
-    PairedSegDataModule,
-    list_files,
-    match_pairs,
-    natural_key,
-)
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import PatchSegDataModule
 
 DUBAI_URL = "https://www.kaggle.com/datasets/humansintheloop/semantic-segmentation-of-aerial-imagery"
 DUBAI_LAYOUT = ("'Tile <t>/images/image_part_<k>.jpg' and 'Tile <t>/masks/image_part_<k>.png' "
@@ -44,7 +40,7 @@ DUBAI_IGNORED_COLOURS = ((0, 0, 0),)
 KAGGLE_TOP_FOLDER = "Semantic segmentation dataset"  # the release zip's top-level folder
 
 
-class DubaiAerialDataModule(PairedSegDataModule):
+class DubaiAerialDataModule(PatchSegDataModule):
     """Dubai aerial land cover: 6 classes (``num_classes == 6``), black pixels ignored (255).
 
     Args:
@@ -53,7 +49,7 @@ class DubaiAerialDataModule(PairedSegDataModule):
         val_tiles: tile numbers held out for val (default ``[3]``: 9 images of 682 x 658 px
             holding all six classes and some black pixels); every other tile is train.
         test_tiles: tile numbers of a test split (default none: test runs on val).
-        **kwargs: the options of :class:`remat.data.paired.PairedSegDataModule`.
+        **kwargs: the options of :class:`remat.data.patch_seg.PatchSegDataModule`.
 
     Sample names are ``"Tile <t>/image_part_<k>"``. Batches: train ``{"image": float32
     [B, 3, p, p], "mask": int64 [B, p, p] in 0..5 or 255, "name"}`` (images smaller than the

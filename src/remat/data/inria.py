@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs
 from remat.data.masks import threshold_mask
-from remat.data.paired import ImageMaskPair, PairedSegDataModule, list_files, match_pairs
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import PatchSegDataModule
 
 INRIA_URL = "https://project.inria.fr/aerialimagelabeling/"
 INRIA_LAYOUT = ("AerialImageDataset/train/images/<city><n>.tif and "
@@ -38,14 +40,14 @@ def split_city_tile(name: str) -> tuple[str, int]:
     return city, int(name[len(city):])
 
 
-class InriaDataModule(PairedSegDataModule):
+class InriaDataModule(PatchSegDataModule):
     """Inria buildings: binary (``num_classes == 1``), building = class 1.
 
     Args:
         root: the folder holding ``AerialImageDataset/`` (or ``AerialImageDataset`` itself).
         val_tiles: tile numbers held out of every city for val (default 1-5, the official
             validation set: 25 tiles); the other 155 train.
-        **kwargs: the options of :class:`remat.data.paired.PairedSegDataModule`.
+        **kwargs: the options of :class:`remat.data.patch_seg.PatchSegDataModule`.
 
     Any non-zero ``gt`` value is a building (the files hold 0/255; 0/1 copies also work).
     Val serves whole 5000 x 5000 tiles (``[1, 3, 5000, 5000]``, 300 MB as float32): score

@@ -17,21 +17,18 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs
 from remat.data.masks import threshold_mask
-from remat.data.paired import (
-    ImageMaskPair,
-    PairedSegDataModule,
-    list_files,
-    match_pairs,
-    tail_split,
-)
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import PatchSegDataModule
+from remat.data.splits import tail_split
 
 ISBI_URL = ("http://brainiac2.mit.edu/isbi_challenge/ (PNG copy: github.com/zhixuhao/unet "
             "data/membrane)")
 ISBI_LAYOUT = "train/image/<n>.png, train/label/<n>.png (8-bit grey, label 0 = membrane)"
 
 
-class ISBI2012DataModule(PairedSegDataModule):
+class ISBI2012DataModule(PatchSegDataModule):
     """ISBI 2012 membranes: binary (``num_classes == 1``), membrane = class 1.
 
     Args:
@@ -39,7 +36,7 @@ class ISBI2012DataModule(PairedSegDataModule):
         val_sections: number of sections held out for val, taken from the end of the stack
             in section order (default 5: sections 25-29 of 0-29). Neighbouring sections look
             alike, so a contiguous block keeps val apart from train better than a shuffle.
-        **kwargs: the options of :class:`remat.data.paired.PairedSegDataModule`
+        **kwargs: the options of :class:`remat.data.patch_seg.PatchSegDataModule`
             (patch size, sampler, loaders, ``split_file`` ...).
 
     Images are grey; by default they are served repeated to 3 channels (``image_mode=

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs
 from remat.data.masks import threshold_mask
-from remat.data.paired import ImageMaskPair, SeededSplitDataModule, list_files, match_pairs
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import SeededSplitDataModule
 
 ISIC_URL = "https://challenge.isic-archive.com/data/#2018"
 ISIC_INPUT = "ISIC2018_Task1-2_Training_Input"
@@ -34,9 +36,9 @@ class ISIC2018DataModule(SeededSplitDataModule):
         root: the folder holding ``ISIC2018_Task1-2_Training_Input/`` and
             ``ISIC2018_Task1_Training_GroundTruth/`` (or its parent, named ``ISIC2018``).
         val_size: val images (default 259, about 10 % of 2594), drawn as in
-            :class:`remat.data.paired.SeededSplitDataModule`.
+            :class:`remat.data.patch_seg.SeededSplitDataModule`.
         split_seed: seed of that draw.
-        **kwargs: the options of :class:`remat.data.paired.PairedSegDataModule`.
+        **kwargs: the options of :class:`remat.data.patch_seg.PatchSegDataModule`.
 
     Sample names are the ISIC ids (``ISIC_0000000``). Val images are served whole at their
     native size (often several megapixels): score them with sliding-window inference.

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs
 from remat.data.masks import IGNORE_INDEX, index_mask
-from remat.data.paired import ImageMaskPair, PairedSegDataModule, list_files, match_pairs
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import PatchSegDataModule
 
 LOVEDA_URL = "https://github.com/Junjue-Wang/LoveDA"
 LOVEDA_LAYOUT = "{Train,Val}/{Urban,Rural}/images_png/<n>.png and .../masks_png/<n>.png"
@@ -27,14 +29,14 @@ LOVEDA_LOOKUP = {0: IGNORE_INDEX, **{v: v - 1 for v in range(1, 8)}}
 SCENES = ("Urban", "Rural")
 
 
-class LoveDADataModule(PairedSegDataModule):
+class LoveDADataModule(PatchSegDataModule):
     """LoveDA: 7 classes (``num_classes == 7``), no-data ignored (255).
 
     Args:
         root: ``LoveDA`` folder (holding ``Train/`` and ``Val/``) or its parent.
         scenes: which domains to read, any of ``Urban``, ``Rural`` (default both; the
             domain-adaptation settings train on one and test on the other via split files).
-        **kwargs: the options of :class:`remat.data.paired.PairedSegDataModule`.
+        **kwargs: the options of :class:`remat.data.patch_seg.PatchSegDataModule`.
 
     Names are ``"<Train|Val>/<Urban|Rural>/<n>"``. Val serves whole ``[1, 3, 1024, 1024]``
     images.

@@ -4,6 +4,17 @@ Each dataset stores its labels differently (grey 0/255 maps, colour-coded RGB PN
 label PNGs). The decoders here read one file and return class indices, with pixels that belong
 to no class set to the datamodule's ``ignore_index`` (255 throughout remat). They are plain
 module-level functions so that ``functools.partial`` of them pickles into DataLoader workers.
+
+16-bit label files (16-bit PNGs, 16-bit grey TIFFs) are decoded where the encoding leaves no
+doubt, and refused naming the file where it does:
+
+* grey threshold masks: values spanning the 16-bit range are scaled to 8 bits
+  (``round(v * 255 / 65535)``, so 0/65535 reads as 0/255); a 16-bit file whose values all fit
+  in ``0..255`` could be an 8-bit mask stored in 16 bits or a nearly black 16-bit one, so it
+  is refused;
+* colour masks: every value must be an 8-bit value scaled to 16 bits (``v = 257 * c``);
+* integer label maps: the values are labels, so 16-bit storage is fine while every value is
+  in the lookup.
 """
 
 from __future__ import annotations
@@ -14,10 +25,35 @@ from pathlib import Path
 import torch
 from torchvision.io import ImageReadMode
 
-from remat.data.io import read_image
+from remat.data.io import DataFileError, file_format, read_label
 
 IGNORE_INDEX = 255
 RGB = tuple[int, int, int]
+
+
+def _is_16bit(raw: torch.Tensor) -> bool:
+    return raw.dtype == torch.int32  # read_label returns int32 only for 16-bit files
+
+
+def to_8bit_intensity(raw: torch.Tensor, path: str | Path, expected: str) -> torch.Tensor:
+    """uint8 grey levels of a label image from :func:`remat.data.io.read_label`.
+
+    8-bit input is returned as it is; 16-bit input is scaled by ``255 / 65535`` (rounded).
+
+    Raises:
+        DataFileError: a 16-bit file whose non-zero values all lie in ``1..255`` (an 8-bit
+            mask saved as 16 bits cannot be told from a nearly black 16-bit one); names the
+            file and its largest value.
+    """
+    if not _is_16bit(raw):
+        return raw
+    top = int(raw.max())
+    if 0 < top <= 255:
+        raise DataFileError(
+            path=path, problem=f"16-bit mask whose values all lie in 0..{top} (an 8-bit mask "
+            "saved as 16 bits?)", expected=f"{expected}; 16-bit masks must span 0..65535 "
+            "(e.g. 0/65535), or save the mask as 8-bit")
+    return ((raw * 255 + 32767) // 65535).to(torch.uint8)
 
 
 def threshold_mask(path: str | Path, foreground: str = "bright", threshold: int = 128,
@@ -25,12 +61,12 @@ def threshold_mask(path: str | Path, foreground: str = "bright", threshold: int 
     """Binary mask from a grey (or RGB) label image.
 
     Args:
-        path: the mask file (PNG, JPEG, GIF, TIFF).
+        path: the mask file (PNG, JPEG, GIF, TIFF; 8-bit, or 16-bit spanning 0..65535).
         foreground: ``"bright"``: class 1 where the grey value is ``>= threshold`` (polyps,
             lesions, vessels, buildings, roads); ``"dark"``: class 1 where it is
             ``< threshold`` (ISBI 2012, where 0 is membrane and 255 is cell interior).
-        threshold: grey level splitting the two classes (128 tolerates JPEG noise; 1 makes
-            any non-zero value foreground, for 0/1 as well as 0/255 label maps).
+        threshold: 8-bit grey level splitting the two classes (128 tolerates JPEG noise; 1
+            makes any non-zero value foreground, for 0/1 as well as 0/255 label maps).
         channels: ``"grey"``: threshold the luma of the file (``ImageReadMode.GRAY``);
             ``"max"``: threshold the brightest RGB channel, so labels drawn in one pure colour
             (e.g. red building maps) count as foreground.
@@ -41,16 +77,21 @@ def threshold_mask(path: str | Path, foreground: str = "bright", threshold: int 
     Raises:
         ValueError: ``foreground`` is neither ``"bright"`` nor ``"dark"``, or ``channels`` is
             neither ``"grey"`` nor ``"max"``.
-        FileNotFoundError, RuntimeError: from :func:`remat.data.io.read_image`.
+        FileNotFoundError: the file is missing.
+        DataFileError: the file is empty, cannot be decoded, or is an ambiguous 16-bit mask
+            (see the module docstring); names the file.
     """
     if foreground not in ("bright", "dark"):
         raise ValueError(f"foreground must be 'bright' or 'dark', got {foreground!r}")
-    if channels == "grey":
-        grey = read_image(path, ImageReadMode.GRAY)[0]
-    elif channels == "max":
-        grey = read_image(path, ImageReadMode.RGB).amax(dim=0)
-    else:
+    if channels not in ("grey", "max"):
         raise ValueError(f"channels must be 'grey' or 'max', got {channels!r}")
+    side = ">=" if foreground == "bright" else "<"
+    expected = (f"a grey {file_format(path)} mask with the foreground {side} {threshold} "
+                "(of 255)")
+    mode = ImageReadMode.GRAY if channels == "grey" else ImageReadMode.RGB
+    raw = read_label(path, mode, expected=expected)
+    grey = to_8bit_intensity(raw, path, expected)
+    grey = grey[0] if channels == "grey" else grey.amax(dim=0)
     fg = grey >= threshold if foreground == "bright" else grey < threshold
     return fg.to(torch.uint8)
 
@@ -75,7 +116,8 @@ def colour_mask(path: str | Path, palette: Mapping[RGB, int],
     """Class indices from a colour-coded mask (one exact RGB colour per class).
 
     Palette PNGs (mode ``P``) are expanded to RGB by the decoder, so they read like RGB PNGs
-    (checked against Pillow's ``convert("RGB")`` on all 72 Dubai masks).
+    (checked against Pillow's ``convert("RGB")`` on all 72 Dubai masks). A 16-bit RGB PNG is
+    read when every value is an 8-bit value scaled to 16 bits (``257 * c``).
 
     Args:
         path: the mask file.
@@ -87,11 +129,22 @@ def colour_mask(path: str | Path, palette: Mapping[RGB, int],
         uint8 ``[H, W]`` class indices.
 
     Raises:
-        ValueError: the mask holds a colour that is neither in ``palette`` nor in
-            ``ignore_colours``; the message names the file and every such colour (RGB and hex)
-            with its pixel count.
+        DataFileError: (a ``ValueError``) the mask holds a colour that is neither in
+            ``palette`` nor in ``ignore_colours`` (the message names the file and every such
+            colour, RGB and hex, with its pixel count), is a 16-bit file with values that are
+            no 8-bit colour, is empty or cannot be decoded.
+        FileNotFoundError: the file is missing.
     """
-    rgb = read_image(path, ImageReadMode.RGB)
+    expected = "class colours " + ", ".join(f"{c}={i}" for c, i in palette.items()) + (
+        f" or ignored colours {list(ignore_colours)}" if ignore_colours else "")
+    rgb = read_label(path, ImageReadMode.RGB,
+                     expected=f"an RGB {file_format(path)} mask with {expected}")
+    if _is_16bit(rgb):
+        if bool((rgb % 257).any()):
+            raise DataFileError(path=path, problem="16-bit colour mask with values that are no "
+                                "8-bit colour (a multiple of 257)",
+                                expected=f"an 8-bit RGB mask with {expected}")
+        rgb = rgb // 257
     key = _rgb_key(rgb)
     # One sorted lookup of the packed colour instead of a comparison per colour.
     table = {_pack(colour): index for colour, index in palette.items()}
@@ -109,17 +162,13 @@ def colour_mask(path: str | Path, palette: Mapping[RGB, int],
         listed = ", ".join(f"{c} {_hex(c)} ({int(n)} px)"
                            for c, n in zip(found[:8], counts[order][:8], strict=False))
         more = f" and {len(found) - 8} more" if len(found) > 8 else ""
-        expected = ", ".join(f"{c}={i}" for c, i in palette.items())
-        raise ValueError(
-            f"mask {path} holds {len(found)} colour(s) not in the palette: {listed}{more}. "
-            f"Expected class colours {expected}"
-            + (f" or ignored colours {list(ignore_colours)}" if ignore_colours else "")
-        )
+        raise DataFileError(path=path, problem=f"holds {len(found)} colour(s) not in the "
+                            f"palette: {listed}{more}", expected=expected)
     return out
 
 
 def index_mask(path: str | Path, lookup: Mapping[int, int]) -> torch.Tensor:
-    """Class indices from an integer label image, remapped through ``lookup``.
+    """Class indices from an integer label image (8- or 16-bit), remapped through ``lookup``.
 
     Args:
         path: a single-channel label PNG (e.g. LoveDA ``masks_png/*.png``, values 0-7).
@@ -130,18 +179,23 @@ def index_mask(path: str | Path, lookup: Mapping[int, int]) -> torch.Tensor:
         uint8 ``[H, W]`` class indices.
 
     Raises:
-        ValueError: the file holds a value missing from ``lookup``; names the file and values.
+        DataFileError: (a ``ValueError``) the file holds a value missing from ``lookup`` or
+            more than one channel, is empty or cannot be decoded; names the file and values.
+        FileNotFoundError: the file is missing.
     """
-    raw = read_image(path, ImageReadMode.UNCHANGED)
+    expected = f"a single-channel {file_format(path)} label image with values {sorted(lookup)}"
+    raw = read_label(path, ImageReadMode.UNCHANGED, expected=expected)
     if raw.shape[0] != 1:
-        raise ValueError(f"label image {path} has {raw.shape[0]} channels; expected a "
-                         "single-channel PNG of class values")
-    table = torch.full((256,), -1, dtype=torch.int16)
+        raise DataFileError(path=path, problem=f"has {raw.shape[0]} channels",
+                            expected=expected)
+    raw = raw[0].long()
+    table = torch.full((max(256, int(raw.max()) + 1),), -1, dtype=torch.int16)
     for value, index in lookup.items():
         table[value] = index
-    out = table[raw[0].long()]
+    out = table[raw]
     if bool((out < 0).any()):
-        bad = sorted(int(v) for v in raw[0][out < 0].unique())
-        raise ValueError(f"label image {path} holds value(s) {bad} outside the expected "
-                         f"{sorted(lookup)}")
+        bad = sorted(int(v) for v in raw[out < 0].unique())
+        raise DataFileError(path=path, problem=f"holds value(s) {bad[:10]} outside the lookup"
+                            + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""),
+                            expected=expected)
     return out.to(torch.uint8)

@@ -18,15 +18,17 @@ from pathlib import Path
 
 import torch
 
+from remat.data.layout import list_files, match_pairs
 from remat.data.masks import threshold_mask
-from remat.data.paired import ImageMaskPair, PairedSegDataModule, list_files, match_pairs
+from remat.data.pairs import ImageMaskPair
+from remat.data.patch_seg import PatchSegDataModule
 
 MASSACHUSETTS_URL = "https://www.cs.toronto.edu/~vmnih/data/"
 MASSACHUSETTS_LAYOUT = "tiff/{train,val,test}/<id>.tiff and tiff/{train,val,test}_labels/<id>.tif"
 SPLITS = ("train", "val", "test")
 
 
-class _MassachusettsDataModule(PairedSegDataModule):
+class _MassachusettsDataModule(PatchSegDataModule):
     """Shared reader of the two Massachusetts sets (official split by folder)."""
 
     layout = MASSACHUSETTS_LAYOUT
@@ -64,7 +66,7 @@ class MassachusettsRoadsDataModule(_MassachusettsDataModule):
     """Massachusetts Roads: binary (``num_classes == 1``), road = class 1; official
     1108/14/49 split; the labelled test split is served by ``test_dataloader``.
 
-    Args: see :class:`remat.data.paired.PairedSegDataModule` (``root``: the folder holding
+    Args: see :class:`remat.data.patch_seg.PatchSegDataModule` (``root``: the folder holding
     ``tiff/``, or its parent ``Massachusetts-Roads/``). Roads are thin and sparse, so a
     ``foreground_prob`` of about 0.5 helps. Val/test serve whole ``[1, 3, 1500, 1500]`` tiles.
     """
@@ -78,7 +80,7 @@ class MassachusettsBuildingsDataModule(_MassachusettsDataModule):
     """Massachusetts Buildings: binary (``num_classes == 1``), building = class 1; official
     137/4/10 split; the labelled test split is served by ``test_dataloader``.
 
-    Args: see :class:`remat.data.paired.PairedSegDataModule` (``root``: the folder holding
+    Args: see :class:`remat.data.patch_seg.PatchSegDataModule` (``root``: the folder holding
     ``tiff/``, or its parent ``Massachusetts-Buildings/``).
     """
 

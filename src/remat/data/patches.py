@@ -16,19 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def as_pair(size: int | Sequence[int], name: str = "patch_size") -> tuple[int, int]:
-    """``256`` or ``(256, 512)`` -> ``(height, width)`` in pixels.
-
-    Raises:
-        ValueError: not one or two positive ints; the message names ``name``.
-    """
-    values = (size, size) if isinstance(size, int) else tuple(size) \
-        if isinstance(size, Sequence) else ()
-    if len(values) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                                   for v in values):
-        raise ValueError(f"{name} must be a positive int or [height, width], got {size!r}")
-    return values  # type: ignore[return-value]
+from remat.data.sizes import as_pair
 
 
 @dataclass(frozen=True)
@@ -62,7 +50,7 @@ class PatchSampler:
 
     def __init__(self, patch_size: int | Sequence[int], foreground_prob: float = 0.0,
                  foreground_classes: Sequence[int] = (1,)) -> None:
-        self.patch = as_pair(patch_size)
+        self.patch = as_pair(patch_size, "data.patch_size")
         if not 0.0 <= float(foreground_prob) <= 1.0:
             raise ValueError(f"data.foreground_prob must be in [0, 1], got {foreground_prob}")
         self.foreground_prob = float(foreground_prob)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Dataset
 
 from remat.data.base import SplitDataModule
+from remat.data.sizes import as_pair
 from remat.data.transforms import normalize
 
 _STRIPE_PERIOD_PX = (4.0, 12.0)
@@ -43,10 +45,13 @@ class _Draws:
         return low + (high - low) * self._values.pop()
 
 
-def _blob(xx: torch.Tensor, yy: torch.Tensor, draw: _Draws, size: int) -> torch.Tensor:
-    """Bool ``[S, S]``: a rotated ellipse with a wavy rim, placed and sized relative to S."""
-    cx, cy = draw(0.1, 0.9) * size, draw(0.1, 0.9) * size
-    a, b = draw(0.07, 0.2) * size, draw(0.07, 0.2) * size
+def _blob(xx: torch.Tensor, yy: torch.Tensor, draw: _Draws, height: int, width: int
+          ) -> torch.Tensor:
+    """Bool ``[H, W]``: a rotated ellipse with a wavy rim, placed relative to the width and
+    height and sized relative to ``sqrt(H * W)`` (the side of a square image)."""
+    scale = math.sqrt(height * width)
+    cx, cy = draw(0.1, 0.9) * width, draw(0.1, 0.9) * height
+    a, b = draw(0.07, 0.2) * scale, draw(0.07, 0.2) * scale
     phi = draw(0.0, math.pi)
     lobes, wobble, phase = int(draw(2.0, 6.0)), draw(0.0, 0.2), draw(0.0, 2 * math.pi)
     dx, dy = xx - cx, yy - cy
@@ -57,7 +62,7 @@ def _blob(xx: torch.Tensor, yy: torch.Tensor, draw: _Draws, size: int) -> torch.
 
 
 def _stripes(xx: torch.Tensor, yy: torch.Tensor, draw: _Draws) -> torch.Tensor:
-    """Float ``[S, S]`` in ``[-1, 1]``: oriented sinusoidal stripes, period 4-12 px."""
+    """Float ``[H, W]`` in ``[-1, 1]``: oriented sinusoidal stripes, period 4-12 px."""
     theta = draw(0.0, math.pi)
     period = draw(*_STRIPE_PERIOD_PX)
     phase = draw(0.0, 2 * math.pi)
@@ -66,7 +71,7 @@ def _stripes(xx: torch.Tensor, yy: torch.Tensor, draw: _Draws) -> torch.Tensor:
 
 
 def _smooth(xx: torch.Tensor, yy: torch.Tensor, draw: _Draws, waves: int = 3) -> torch.Tensor:
-    """Float ``[S, S]`` in ``[-1, 1]``: mean of a few long-period plane waves (24-96 px)."""
+    """Float ``[H, W]`` in ``[-1, 1]``: mean of a few long-period plane waves (24-96 px)."""
     field = torch.zeros_like(xx)
     for _ in range(waves):
         theta = draw(0.0, 2 * math.pi)
@@ -77,19 +82,23 @@ def _smooth(xx: torch.Tensor, yy: torch.Tensor, draw: _Draws, waves: int = 3) ->
 
 
 def render_sample(
-    seed: int, index: int, image_size: int, split: str = "train"
+    seed: int, index: int, image_size: int | Sequence[int], split: str = "train"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one scene; a pure function of ``(seed, split, index, image_size)``.
 
+    Args:
+        image_size: side ``S`` or ``(H, W)`` in pixels (a square ``(S, S)`` draws exactly
+            the image of ``S``).
+
     Returns:
-        ``image`` float32 ``[3, S, S]`` in ``[0, 1]`` (not normalised) and ``mask`` int64
-        ``[S, S]`` with 1 on the striped objects and 0 elsewhere.
+        ``image`` float32 ``[3, H, W]`` in ``[0, 1]`` (not normalised) and ``mask`` int64
+        ``[H, W]`` with 1 on the striped objects and 0 elsewhere.
     """
+    height, width = as_pair(image_size, "data.image_size")
     generator = torch.Generator().manual_seed(_sample_seed(seed, split, index))
     draw = _Draws(generator)
-    size = image_size
-    axis = torch.arange(size, dtype=torch.float32)
-    yy, xx = torch.meshgrid(axis, axis, indexing="ij")
+    yy, xx = torch.meshgrid(torch.arange(height, dtype=torch.float32),
+                            torch.arange(width, dtype=torch.float32), indexing="ij")
 
     base = torch.tensor([draw(0.3, 0.7) for _ in range(3)])
     bg_colour = base + torch.tensor([draw(-0.12, 0.12) for _ in range(3)])
@@ -101,15 +110,15 @@ def render_sample(
 
     # Distractors: background-kind (smooth) texture, tinted like the objects.
     for _ in range(int(draw(1.0, 4.0))):
-        region = _blob(xx, yy, draw, size)
+        region = _blob(xx, yy, draw, height, width)
         colour = fg_colour + torch.tensor([draw(-0.04, 0.04) for _ in range(3)])
         texture = colour[:, None, None] + draw(0.08, 0.2) * _smooth(xx, yy, draw)
         image = torch.where(region, texture, image)
 
     # Objects: one striped texture shared by all objects of the scene.
-    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask = torch.zeros(height, width, dtype=torch.bool)
     for _ in range(int(draw(1.0, 4.0))):
-        mask |= _blob(xx, yy, draw, size)
+        mask |= _blob(xx, yy, draw, height, width)
     stripe_amp = draw(0.15, 0.3)
     texture = fg_colour[:, None, None] + stripe_amp * _stripes(xx, yy, draw)
     image = torch.where(mask, texture, image)
@@ -128,21 +137,27 @@ class SyntheticSegDataset(Dataset):
 
     Args:
         num_samples: number of samples.
-        image_size: side ``S`` of the square images, in pixels.
+        image_size: side ``S`` of square images, or ``(H, W)``, in pixels (each >= 16).
         seed: base seed; sample ``i`` is a pure function of ``(seed, split, i, image_size)``.
         split: stream name mixed into the seed; ``"train"`` and ``"val"`` never share samples.
 
-    Items are ``{"image": float32 [3, S, S] (ImageNet-normalised), "mask": int64 [S, S]}``,
+    Items are ``{"image": float32 [3, H, W] (ImageNet-normalised), "mask": int64 [H, W]}``,
     mask values 0 (background) and 1 (object).
+
+    Raises:
+        ValueError: ``num_samples < 1``, or a side under 16 px or a bad size (names
+            ``data.image_size``).
     """
 
-    def __init__(self, num_samples: int, image_size: int, seed: int, split: str = "train"):
+    def __init__(self, num_samples: int, image_size: int | Sequence[int], seed: int,
+                 split: str = "train"):
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if image_size < 16:
-            raise ValueError(f"image_size must be >= 16 px, got {image_size}")
+        size = as_pair(image_size, "data.image_size")
+        if min(size) < 16:
+            raise ValueError(f"data.image_size must be >= 16 px per side, got {image_size}")
         self.num_samples = num_samples
-        self.image_size = image_size
+        self.image_size = size
         self.seed = seed
         self.split = split
 
@@ -159,15 +174,18 @@ class SyntheticSegDataset(Dataset):
 class SyntheticSegDataModule(SplitDataModule):
     """Lightning datamodule over :class:`SyntheticSegDataset` (train and val streams).
 
-    Batches are ``{"image": float32 [B, 3, S, S], "mask": int64 [B, S, S]}``; binary task,
-    so ``num_classes == 1`` (``class_names`` background/object; ``ignore_index`` 255 never
-    occurs). The train loader shuffles with a generator seeded by ``seed`` and
+    Batches are ``{"image": float32 [B, 3, H, W], "mask": int64 [B, H, W]}`` with
+    ``(H, W)`` from ``image_size`` (a side or ``[H, W]``, pixels); binary task, so
+    ``num_classes == 1`` (``class_names`` background/object; ``ignore_index`` 255 never
+    occurs); ``in_channels`` is 3. The train loader shuffles with a generator seeded by ``seed`` and
     drops the last partial batch only when the train set is larger than ``batch_size``.
     """
 
+    in_channels = 3
+
     def __init__(
         self,
-        image_size: int = 256,
+        image_size: int | Sequence[int] = 256,
         batch_size: int = 4,
         num_workers: int = 0,
         num_train: int = 64,
@@ -176,7 +194,7 @@ class SyntheticSegDataModule(SplitDataModule):
         pin_memory: bool = False,
     ) -> None:
         super().__init__(batch_size, num_workers, pin_memory, loader_seed=seed)
-        self.image_size = image_size
+        self.image_size = as_pair(image_size, "data.image_size")
         self.num_train = num_train
         self.num_val = num_val
         self.seed = seed

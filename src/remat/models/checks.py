@@ -3,6 +3,7 @@ checkpoint fit and resumed LR schedules."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -79,11 +80,13 @@ def check_model_fits_data(model: L.LightningModule, datamodule: Any,
     Checks the kinds (segmentation model with ``num_classes`` vs sequence model with
     ``vocab_size``; datamodules expose the same attribute), ``model.num_classes`` against the
     datamodule's ``num_classes`` (1 = binary) and ``model.in_channels`` against the
-    datamodule's ``in_channels`` when it has one (1 for ``data.image_mode=grey``).
+    datamodule's ``in_channels`` when it has one (every segmentation datamodule: 3, or 1 for
+    ``data.image_mode=grey``).
     ``model_name``/``data_name`` are the config choices (``gpt_tiny``, ``dubai_aerial``).
 
     Raises:
-        ValueError: a mismatch, naming the ``model.``/``data.`` keys and what would fit.
+        ValueError: a mismatch, naming the ``model.`` key, the ``data.`` key that sets the
+            datamodule's side (``data.image_mode`` for channels) and what would fit.
     """
     model_kind, data_kind = _kind(model), _kind(datamodule)
     m = f"model={model_name}" if model_name else f"model ({type(model).__name__})"
@@ -96,29 +99,52 @@ def check_model_fits_data(model: L.LightningModule, datamodule: Any,
             f"(model={'gpt_tiny' if data_kind == 'sequence' else 'unet_resnet18'})")
     if model_kind != "segmentation" or data_kind != "segmentation":
         return
-    for key in ("num_classes", "in_channels"):
-        ours, theirs = model.hparams.get(key), getattr(datamodule, key, None)
-        if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
-            what = ("classes (1 = binary)" if key == "num_classes"
-                    else "image channels (1 for data.image_mode=grey)")
-            raise ValueError(
-                f"model.{key}={ours} but {d} serves {theirs} {what}; set "
-                f"model.{key}={theirs} (or pick data that matches {m})")
+    ours, theirs = model.hparams.get("num_classes"), getattr(datamodule, "num_classes", None)
+    if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
+        raise ValueError(
+            f"model.num_classes={ours} but {d} serves {theirs} classes (1 = binary); set "
+            f"model.num_classes={theirs} (or pick data that matches {m})")
+    ours, theirs = model.hparams.get("in_channels"), getattr(datamodule, "in_channels", None)
+    if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
+        raise ValueError(f"model.in_channels={ours} but {d} serves {theirs} image channels"
+                         f"{_channels_hint(datamodule, ours)}")
+
+
+def _channels_hint(datamodule: Any, wanted: int) -> str:
+    """How to make the data's channels fit ``model.in_channels=wanted``: the
+    ``data.image_mode`` that serves that many, or the model key to change."""
+    served = getattr(datamodule, "in_channels", None)
+    mode = getattr(datamodule, "image_mode", None)
+    if mode is None:
+        return f" (it has no data.image_mode); set model.in_channels={served}"
+    modes = {1: "grey", 3: "rgb (or grey_rgb for grey data)"}
+    other = (f" or data.image_mode={modes[wanted]}" if wanted in modes
+             else f" (data.image_mode serves 1 or 3 channels, not {wanted})")
+    return f" (data.image_mode={mode}); set model.in_channels={served}{other}"
 
 
 def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
-    """Read a Lightning checkpoint (on CPU) and check it is one.
+    """Read a Lightning checkpoint (on CPU) with ``torch.load(weights_only=True)`` and check
+    it is one.
+
+    ``weights_only=True`` unpickles only tensors and plain containers, so a checkpoint cannot
+    run code when it is read; remat's checkpoints hold nothing else (hyper-parameters are
+    plain dicts, lists and scalars).
 
     Raises:
         FileNotFoundError: ``ckpt_path`` does not exist.
-        ValueError: the file is not a torch file or has no ``state_dict`` entry.
+        ValueError: the file is not a torch file, holds objects ``weights_only`` refuses (the
+            message keeps torch's note of which), or has no ``state_dict`` entry.
     """
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file (expected a Lightning "
                                 "checkpoint such as <run dir>/checkpoints/last.ckpt)")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # a global weights_only does not allow
+        raise ValueError(f"ckpt_path={ckpt_path} holds objects that torch.load("
+                         f"weights_only=True) refuses to unpickle: {err}") from err
     except Exception as err:  # torch raises several types for a corrupt/foreign file
         raise ValueError(f"ckpt_path={ckpt_path} could not be read as a torch checkpoint: "
                          f"{err}") from err

@@ -1,0 +1,62 @@
+"""``model.in_channels`` against what each datamodule serves: a clear error naming both keys
+before training, never a raw convolution error mid-step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+
+from remat.data import ISBI2012DataModule, KvasirSegDataModule, SyntheticSegDataModule
+from remat.models.checks import check_model_fits_data
+from remat.train import train
+from tests.data.fakes import make_fake_kvasir
+from tests.helpers import TINY_TRAINER, compose_train
+
+
+def _model(in_channels: int):
+    from remat.models import SegmentationModule
+
+    return SegmentationModule(arch="Unet", encoder_name="resnet18", in_channels=in_channels,
+                              arch_kwargs={"decoder_channels": [16, 16, 16, 16, 16]})
+
+
+@pytest.mark.parametrize("make,served,hint", [
+    (lambda root: SyntheticSegDataModule(), 3, r"\(it has no data.image_mode\); set "
+                                               r"model.in_channels=3"),
+    (lambda root: KvasirSegDataModule(root), 3, r"\(data.image_mode=rgb\); set "
+                                                r"model.in_channels=3 or data.image_mode=grey"),
+    (lambda root: ISBI2012DataModule(root, image_mode="grey"), 1,
+     r"\(data.image_mode=grey\); set model.in_channels=1 or data.image_mode=rgb"),
+])
+def test_wrong_in_channels_names_both_keys(tmp_path: Path, make, served: int, hint: str):
+    wanted = 1 if served == 3 else 3
+    with pytest.raises(ValueError, match=rf"model.in_channels={wanted} but data "
+                                         rf"\(\w+\) serves {served} image channels {hint}"):
+        check_model_fits_data(_model(wanted), make(tmp_path))
+    check_model_fits_data(_model(served), make(tmp_path))  # the fitting pair passes
+
+
+def test_four_channel_model_on_rgb_data_says_no_image_mode_fits(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"data.image_mode serves 1 or 3 channels, not 4"):
+        check_model_fits_data(_model(4), KvasirSegDataModule(tmp_path))
+
+
+def test_grey_model_on_kvasir_fails_before_training(tmp_path: Path):
+    """Kvasir-SEG gave a raw convolution error here before it exposed in_channels."""
+    make_fake_kvasir(tmp_path / "Kvasir-SEG", n=4, height=32, width=32)
+    cfg = compose_train(tmp_path / "run", [*TINY_TRAINER, "data=kvasir_seg",
+                                           f"data.root={tmp_path}", "data.val_size=2",
+                                           "data.image_size=32", "model.in_channels=1"])
+    with pytest.raises(ValueError, match=r"model.in_channels=1 but data=kvasir_seg serves 3 "
+                                         r"image channels \(data.image_mode=rgb\)"):
+        train(cfg)
+    # and the grey mode it suggests trains
+    cfg = compose_train(tmp_path / "grey", [*TINY_TRAINER, "data=kvasir_seg",
+                                            f"data.root={tmp_path}", "data.val_size=2",
+                                            "data.image_size=32", "data.batch_size=2",
+                                            "model.in_channels=1", "data.image_mode=grey"])
+    assert instantiate(cfg.data).in_channels == 1
+    assert train(cfg)["status"] == "completed"
+

@@ -1,138 +1,178 @@
 """Guarantees of GUIDE.md sec. 3, parametrised over strategy x model family.
 
-Families: smp U-Net with a ResNet encoder (BatchNorm, in-place ReLU), smp U-Net with a
-``tu-`` timm encoder (``features_only``), a timm ViT (dropout, drop path), the GPT block
-stack (dropout inside and outside attention) with learned and with rotary positions, and the
-ViT segmenter (timm ViT encoder + BatchNorm upsampling decoder).
+Families (``tests/strategies/families.py``): smp U-Net with a ResNet and with a ``tu-``
+timm encoder, timm ViT, remat's GPT (learned and rotary positions), the ViT segmenter,
+Hugging Face GPT-2, Llama and BERT (their own forward: keyword arguments, attention mask,
+default ``use_cache``), torchvision ResNet-50, MONAI UNETR (collects every block's output)
+and SwinUNETR, timm ``features_only`` EfficientNet and ConvNeXt, smp UnetPlusPlus, FPN
+(parallel heads) and DeepLabV3Plus, all with random init.
+
+For each family and strategy: the same outputs and loss as ``none`` (bit-exact in fp32),
+gradients within rtol 1e-5 / atol 1e-6, the same norm statistics and dropout masks after
+two SGD steps, a peak (MemTracker, second step) not above ``none``'s, recompute really
+happening in every wrapped block, and nothing recomputed under ``eval()`` or ``no_grad``;
+bf16 autocast within bf16 tolerance.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 
+from remat.measure import PeakMemory
 from remat.strategies import build_strategy
-from tests.strategies.common import count_calls
-from tests.strategies.families import build
+from tests.strategies.common import count_calls, first_inner
+from tests.strategies.families import FAMILIES, build, output_tensors
 
 STRATEGIES = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}),
               ("selective", {"policy": "matmul"}), ("selective", {"policy": "attention"}),
               ("offload", {}), ("offload", {"segments": "sqrtn"})]
+RECOMPUTING = [s for s in STRATEGIES if s != ("offload", {})]
+# Decoders called with their default use_cache=True: a recomputed layer runs without the
+# cache (as under Hugging Face's own checkpointing), and HF's attention then works on the
+# keys themselves instead of the cache's concatenated copy, so outputs match to float
+# rounding (1.5e-7 on GPT-2 logits), not bit for bit. The loss is still bit-exact.
+CACHE_DECODERS = {"hf_gpt2", "hf_llama"}
 
 
-# the families of this matrix (tests/strategies/families.py builds these and more)
-FAMILIES = ["unet_resnet", "unet_timm", "vit", "gpt", "gpt_rotary", "vit_seg"]
-_CACHE: dict[str, tuple] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _family(name):
-    if name not in _CACHE:
-        family = build(name)
-        _CACHE[name] = (family.model, family.stages, family.make_input().args[0])
-    model, stages, x = _CACHE[name]
-    return copy.deepcopy(model), stages, x
+    family = build(name)
+    return family, family.make_input()
 
 
-def _run(model, x, steps=2, seed=7, autocast=False, freeze_first=False):
-    """SGD steps with dropout active; returns outputs, grads and state of the last step."""
-    model.train()
-    if freeze_first:
-        next(iter(model.children())).requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=0.01)
-    torch.manual_seed(seed)
-    for _ in range(steps):
+def _run(name, strategy=None, overrides=(), steps=2, autocast=False, freeze_first=False,
+         measure=True):
+    """SGD steps with dropout active on a fresh copy; outputs, loss, grads, state and the
+    peak of the last step (MemTracker), and the model."""
+    family, call = _family(name)
+    model = copy.deepcopy(family.model).train()
+    if strategy is not None:
+        build_strategy(strategy, **dict(overrides)).apply(model, family.stages)
+    if freeze_first:  # the first module holding parameters (an embedding, a stem conv)
+        first_inner(model).requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    torch.manual_seed(7)
+    peak = None
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
+        tracker = (PeakMemory("cpu", modules=[model]) if measure and step == steps - 1
+                   else None)
+        if tracker is not None:
+            tracker.__enter__()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(x)
-        loss = out.float().square().mean()
-        loss.backward()
+            out = call(model)
+            loss = family.loss_fn(out)
+        loss.float().backward()
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            peak = tracker.peak_bytes
         grads = {n: (None if p.grad is None else p.grad.float().clone())
                  for n, p in model.named_parameters()}
         opt.step()
-    return out.detach().float(), loss.detach(), grads, copy.deepcopy(model.state_dict())
+    outs = [t.detach().float() for t in output_tensors(out)]
+    return outs, loss.detach().float(), grads, copy.deepcopy(model.state_dict()), peak, model
 
 
-def _pair(family, strategy, overrides, **kw):
-    model, stages, x = _family(family)
-    ref = _run(copy.deepcopy(model), x, **kw)
-    build_strategy(strategy, **overrides).apply(model, stages)
-    return ref, _run(model, x, **kw), model
+@functools.lru_cache(maxsize=None)
+def _reference(name):
+    return _run(name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("strategy,overrides", STRATEGIES)
-def test_same_function_same_dropout_same_batchnorm_stats(family, strategy, overrides):
-    (ref_out, ref_loss, ref_grads, ref_state), (out, loss, grads, state), _ = _pair(
-        family, strategy, overrides)
-    assert torch.equal(out, ref_out)
+def test_same_function_norm_stats_dropout_and_peak_not_above_none(family, strategy, overrides):
+    ref_outs, ref_loss, ref_grads, ref_state, ref_peak, _ = _reference(family)
+    outs, loss, grads, state, peak, _ = _run(family, strategy, tuple(overrides.items()))
     assert torch.equal(loss, ref_loss)
+    assert len(outs) == len(ref_outs)
+    for got, want in zip(outs, ref_outs, strict=True):
+        if family in CACHE_DECODERS and (strategy, overrides) in RECOMPUTING:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(got, want)
     for key, grad in ref_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-6, msg=key)
+        if grad is None:
+            assert grads[key] is None, key
+        else:
+            torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-6, msg=key)
     assert state.keys() == ref_state.keys()
-    for key, value in ref_state.items():  # BatchNorm running stats, num_batches_tracked
-        assert torch.equal(state[key], value), key
+    for key, value in ref_state.items():  # norm running stats, num_batches_tracked
+        if family in CACHE_DECODERS and (strategy, overrides) in RECOMPUTING:
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        else:
+            assert torch.equal(state[key], value), key
+    # selective keeps at most what autograd keeps; its recompute may still hold a few
+    # transient tensors (random ops replayed, buffers standing for unread outputs): measured
+    # at most +12.9 KB of 31 MB (0.04 %, timm EfficientNet with drop path, attention)
+    slack = 1e-3 if strategy == "selective" else 0.0
+    assert peak <= ref_peak * (1 + slack), f"peak {peak / ref_peak:.5f}x none"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("strategy,overrides", STRATEGIES[:2])
-def test_frozen_first_module_keeps_none_gradients(family, strategy, overrides):
-    (_, _, ref_grads, _), (_, _, grads, _), model = _pair(family, strategy, overrides,
-                                                          steps=1, freeze_first=True)
+def test_frozen_first_module_keeps_none_gradients(family):
+    _, _, ref_grads, _, _, _ = _run(family, steps=1, freeze_first=True, measure=False)
+    _, _, grads, _, _, model = _run(family, "sqrtn", steps=1, freeze_first=True, measure=False)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen
     for key, grad in ref_grads.items():
         if key in frozen:
             assert grad is None and grads[key] is None, key
-        else:
-            assert grads[key] is not None, key
+        elif grad is not None:
             torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_autocast_gradients_within_bf16_tolerance(family):
-    (_, _, ref_grads, _), (_, _, grads, _), _ = _pair(family, "sqrtn", {}, steps=1,
-                                                      autocast=True)
+    _, _, ref_grads, _, _, _ = _run(family, steps=1, autocast=True, measure=False)
+    _, _, grads, _, _, _ = _run(family, "sqrtn", steps=1, autocast=True, measure=False)
     for key, grad in ref_grads.items():
-        torch.testing.assert_close(grads[key], grad, rtol=2e-2, atol=2e-2, msg=key)
+        if grad is not None:
+            torch.testing.assert_close(grads[key], grad, rtol=2e-2, atol=2e-2, msg=key)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("strategy,overrides", STRATEGIES)
+@pytest.mark.parametrize("strategy,overrides", RECOMPUTING)
 def test_recompute_happens_on_the_code_path_used_and_not_in_eval(family, strategy, overrides):
-    model, stages, x = _family(family)
-    report = build_strategy(strategy, **overrides).apply(model, stages)
-    blocks = [model.get_submodule(p) for p in report.wrapped]
+    fam, call = _family(family)
+    model = copy.deepcopy(fam.model).train()
+    report = build_strategy(strategy, **overrides).apply(model, fam.stages)
+    # a unit with submodules shows its recompute in their calls (a leaf unit, e.g. a bare
+    # BatchNorm in a chain, has none to show it)
+    blocks = [b for b in (model.get_submodule(p) for p in report.wrapped)
+              if first_inner(b) is not b]
+    assert blocks
     calls, handles = count_calls(blocks, inner=True)
-    model.train()
-    model(x).float().sum().backward()
+    fam.loss_fn(call(model)).backward()
     assert [calls[id(b)] for b in blocks] == [2] * len(blocks)  # forward + recompute
     ref = copy.deepcopy(model)
-    build_strategy("none").apply(ref, stages)
+    build_strategy("none").apply(ref, fam.stages)
     model.eval()
     ref.eval()
-    out = model(x)
-    out.float().sum().backward()
+    sum(t.float().sum() for t in output_tensors(call(model))).backward()
     assert [calls[id(b)] for b in blocks] == [3] * len(blocks)  # eval: no recompute
     with torch.no_grad():
-        assert torch.equal(model(x), ref(x))
+        for got, want in zip(output_tensors(call(model)), output_tensors(call(ref)),
+                             strict=True):
+            assert torch.equal(got, want)
     for h in handles:
         h.remove()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["unet_resnet", "hf_llama", "monai_unetr", "smp_fpn"])
 @pytest.mark.parametrize("strategy,overrides", STRATEGIES)
 def test_apply_twice_is_once_remove_restores_state_dict_keys_stable(family, strategy,
                                                                     overrides):
-    model, stages, x = _family(family)
+    fam, _ = _family(family)
+    model = copy.deepcopy(fam.model)
     keys = list(model.state_dict())
     strategy = build_strategy(strategy, **overrides)
-    assert strategy.apply(model, stages) == strategy.apply(model, stages)
+    assert strategy.apply(model, fam.stages) == strategy.apply(model, fam.stages)
     assert list(model.state_dict()) == keys
-    fresh, _, _ = _family(family)
+    fresh = copy.deepcopy(fam.model)
     fresh.load_state_dict(model.state_dict())
     strategy.remove(model)
-    patched = [n for n, m in model.named_modules() if "forward" in vars(m)]
-    assert patched == []
+    assert [n for n, m in model.named_modules() if "_remat_wrap" in vars(m)] == []

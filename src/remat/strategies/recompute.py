@@ -200,11 +200,14 @@ def refuse_sync_batchnorm(module: nn.Module, path: str) -> None:
 
 @dataclass(eq=False)
 class UnitState:
-    """Per-unit knowledge kept between calls: the buffers its forward changes that are not
-    norm statistics (learned at the first call). Rebuilt after pickling."""
+    """Per-unit knowledge kept between calls (rebuilt after pickling): the buffers its
+    forward changes that are not norm statistics (learned at the first call), and whether
+    its checkpoint frees nothing (``plain``: the strategy's forward context said
+    ``saves_nothing`` after a call), so later calls run without one."""
 
     learned: bool = False
     stateful: set[tuple[int, str]] = field(default_factory=set)
+    plain: bool = False
 
 
 def _is_norm_stat(module: nn.Module, name: str) -> bool:
@@ -252,16 +255,17 @@ class _StateGuard:
 
 
 @contextlib.contextmanager
-def _replaying(guards: list[_StateGuard]) -> Iterator[None]:
+def _replaying(guards: list[_StateGuard], norms: bool = True) -> Iterator[None]:
     """During the replay of a region's calls (``guards`` in call order): norm statistics
     write into copies, changed buffers start from their values before the first call that
     changed them; everything restored after. The copies are made before the replay runs
     (outside any dispatch mode a strategy enters for the recompute), and a buffer shared by
     several calls gets one copy, so later calls see the earlier calls' replayed updates as
-    the forward did."""
+    the forward did. ``norms=False`` skips the norm copies, for a recompute that runs no op
+    writing them (a strategy's recompute context says so with ``rewrites_state``)."""
     swaps: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor]] = {}
     for guard in guards:
-        for m in guard.norms:
+        for m in guard.norms if norms else ():
             for name in _STAT_BUFFERS:
                 if (id(m), name) not in swaps and _initialised(m._buffers.get(name)):
                     swaps[(id(m), name)] = (m, name, m._buffers[name].clone())
@@ -365,7 +369,9 @@ class _Tape:
         device_type = next((c.device_type for c in self.calls if c.devices), "cuda")
         outputs: list[list[Any]] = []
         with torch.random.fork_rng(devices=devices, device_type=device_type), \
-                _replaying([call.guard for call in self.calls]), self.recompute_ctx:
+                _replaying([call.guard for call in self.calls],
+                           getattr(self.recompute_ctx, "rewrites_state", True)), \
+                self.recompute_ctx:
             for call in self.calls:
                 self.current = call.path
                 torch.set_rng_state(call.cpu_rng)
@@ -455,6 +461,8 @@ class Region:
             out = forward(*args, **kwargs)
         self.frame.forward_completed = True
         guard.finish()
+        if getattr(self.forward_ctx, "saves_nothing", False):
+            wrap.state.plain = True
         self._outputs.append([(weakref.ref(t), t._version) if isinstance(t, torch.Tensor)
                               else None for t in tree_flatten(out)[0]])
         return out
@@ -544,6 +552,8 @@ def run_recomputed(strategy: Any, module: nn.Module, wrap: Any, forward: Callabl
         return forward(*args, **kwargs)
     wrap.calls += 1
     refuse_sync_batchnorm(module, wrap.path)
+    if wrap.state is not None and wrap.state.plain:
+        return forward(*args, **kwargs)
     if not _HAS_FRAMES:  # pragma: no cover - older torch
         return _public_checkpoint(strategy, module, wrap, forward, args, kwargs)
     region = (wrap.chain.region_for(strategy, wrap) if wrap.chain is not None

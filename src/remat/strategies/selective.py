@@ -191,7 +191,7 @@ def _is_backup_of_saved(policy: _RegionPolicy, args, kwargs) -> bool:
     """Whether ``clone`` copies a whole saved tensor as it is (the backup autograd takes
     before an in-place op), not a part of it or into another layout (``.contiguous()``)."""
     t = args[0] if args else None
-    if not isinstance(t, torch.Tensor) or not policy.saved.get(_storage_key(t)):
+    if not isinstance(t, torch.Tensor) or not policy.saved.get(policy.key(t)):
         return False
     return (kwargs.get("memory_format") in (None, torch.preserve_format)
             and t.storage_offset() == 0
@@ -227,8 +227,8 @@ def _flops(op, args, kwargs, out) -> int:
         return 0
 
 
-def _meta(out) -> Any:
-    return tree_map(lambda t: _Unread(t) if isinstance(t, torch.Tensor) else t, out)
+def _meta(out, key: Callable[[torch.Tensor], tuple | None]) -> Any:
+    return tree_map(lambda t: _Unread(t, key(t)) if isinstance(t, torch.Tensor) else t, out)
 
 
 class _Unread:
@@ -240,10 +240,10 @@ class _Unread:
 
     __slots__ = ("shape", "stride", "dtype", "device", "storage")
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, storage: tuple | None) -> None:
         self.shape, self.stride = tuple(t.shape), tuple(t.stride())
         self.dtype, self.device = t.dtype, t.device
-        self.storage = _storage_key(t)
+        self.storage = storage
 
     def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
@@ -278,7 +278,7 @@ class _RegionPolicy:
 
     It tracks, per storage, whether the block saved or will recompute it, so that in-place
     ops and the ``attention`` core can be decided consistently, and which storages autograd
-    saved for backward (``packed``, filled by :class:`_RecordPacks`), so that
+    saved for backward (``packed``, filled by :func:`_record_packs`), so that
     :meth:`finish` keeps no more than autograd would have (see the module docstring).
     """
 
@@ -294,8 +294,23 @@ class _RegionPolicy:
         self.written: set[tuple] = set()       # storages changed in place
         self.packed: set[tuple] = set()        # storages autograd saved for backward
         self.ops: list[_Op] = []
+        # a freed storage's address is reused by later tensors: a storage is its address
+        # plus how many storages were made there before (see key())
+        self._generation: dict[tuple, int] = {}
+        self.rewrites_state = True  # until finish() knows better
+        self.saves_nothing = False
         self._counts: dict[object, int] = {}
         self._last: tuple[list, list] = ([], [])
+
+    def key(self, t, new: bool = False) -> tuple | None:
+        """Identity of the storage ``t`` lives in for this block's forward; ``new`` when an
+        op has just made it (the address may have held an earlier, freed storage)."""
+        raw = _storage_key(t)
+        if raw is None:
+            return None
+        if new:
+            self._generation[raw] = self._generation.get(raw, 0) + 1
+        return (raw, self._generation.get(raw, 0))
 
     def __call__(self, ctx: SelectiveCheckpointContext, op, *args, **kwargs):
         if ctx.is_recompute:  # torch versions that ask again in recompute: same answers
@@ -310,8 +325,9 @@ class _RegionPolicy:
         reads, writes = self._last
         made = [k for ret, value in zip(op._schema.returns, _tensors_per_return(out, op._schema),
                                         strict=False) if ret.alias_info is None
-                for k in map(_storage_key, value) if k is not None]
-        self.ops.append(_Op(key, index, decision is _SAVE, made, reads, writes, _meta(out),
+                for k in map(self.key, value) if k is not None]
+        self.ops.append(_Op(key, index, decision is _SAVE, made, reads, writes,
+                            _meta(out, self.key),
                             _flops(op, args, kwargs, out),
                             any(r.alias_info is not None for r in op._schema.returns),
                             _is_random(op, args, kwargs)))
@@ -380,14 +396,23 @@ class _RegionPolicy:
                 counted.update(ops[i].made)
                 cached.add(i)
         dead_ops, dead = settle()
+        kept_storages = {k for i in cached for k in ops[i].made if k not in dead}
+        # every tensor autograd saved is cached anyway: checkpointing frees nothing here
+        self.saves_nothing = all(k in kept_storages for k in self.produced if k in self.packed)
+        self.rewrites_state = False
         for i, op in enumerate(ops):
             if i in dead_ops:
                 storage[op.key][op.index] = _placeholder(op.meta)
-            elif i in cached:
+                continue
+            if i in cached:
                 if any(k in dead for k in op.made):
                     storage[op.key][op.index] = _without(storage[op.key][op.index], op, dead)
-            elif op.save:
+                continue
+            if op.save:
                 storage[op.key][op.index] = _RECOMPUTE_ENTRY
+            # an op that runs again and writes a tensor the block did not make (a norm's
+            # running statistics): the recompute must write into throw-away copies
+            self.rewrites_state |= any(k not in self.produced for k in op.writes)
 
     def _decide(self, op, args, kwargs, out) -> CheckpointPolicy:
         schema = op._schema
@@ -395,7 +420,7 @@ class _RegionPolicy:
         for i, arg in enumerate(schema.arguments):
             value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only
                                else None)
-            keys = [k for k in map(_storage_key, _tensors(value)) if k is not None]
+            keys = [k for k in map(self.key, _tensors(value)) if k is not None]
             (written if arg.alias_info is not None and arg.alias_info.is_write
              else read).extend(keys)
         self.written.update(written)
@@ -439,7 +464,7 @@ class _RegionPolicy:
             if ret.alias_info is not None:
                 continue  # a view or an in-place result: same storage, same standing
             for t in value:
-                key = _storage_key(t)
+                key = self.key(t, new=True)
                 if key is None:
                     continue
                 self.produced[key] = t.untyped_storage().nbytes()
@@ -458,40 +483,36 @@ def _sac_key(op, args) -> object:
     return fn(op, args) if fn is not None else op
 
 
-class _RecordPacks(torch.autograd.graph.saved_tensors_hooks):
+@contextlib.contextmanager
+def _record_packs(policy: _RegionPolicy) -> Iterator[None]:
     """Saved-tensor hooks pushed above the checkpoint's own: note which storages autograd
-    saves, then hand each tensor to the hooks below (the checkpoint's), unchanged.
+    saves (``policy.packed``), then hand each tensor to the hooks below (the checkpoint's),
+    unchanged.
 
     Marked as a checkpoint-internal hook (torch's ``_checkpoint_internal``), so torch's
-    search for the user's hooks (``save_on_cpu`` around the model) looks through it.
+    search for the user's hooks (``save_on_cpu`` around the model) looks through it. The
+    hook functions hold no reference back to anything that holds them: autograd keeps them
+    with every saved tensor, and a reference cycle through them would keep the whole
+    checkpoint (its inputs included) alive until the garbage collector runs.
     """
+    below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if below is None:
+        raise RuntimeError("strategy selective: its block must run inside a checkpoint")
+    pack_below, unpack_below = below
+    packed, key = policy.packed, policy.key
 
-    def __init__(self, policy: _RegionPolicy) -> None:
-        self.policy = policy
-        self.below: tuple | None = None
+    def pack(t):
+        packed.add(key(t))
+        return pack_below(t)
 
-        def pack(t):
-            policy.packed.add(_storage_key(t))
-            return self.below[0](t)
-
-        def unpack(packed):
-            return self._unpack_below(packed)
-
-        pack._checkpoint_internal = True  # type: ignore[attr-defined]
-        super().__init__(pack, unpack)
-
-    def __enter__(self):
-        self.below = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if self.below is None:
-            raise RuntimeError("strategy selective: its block must run inside a checkpoint")
-        self._unpack_below = self.below[1]
-        find_user = getattr(_ckpt, "_current_user_saved_tensors_hooks", None)
-        self.pack_hook._user_hooks = find_user() if find_user is not None else None
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        del self.pack_hook._user_hooks
-        return super().__exit__(*exc)
+    find_user = getattr(_ckpt, "_current_user_saved_tensors_hooks", None)
+    pack._checkpoint_internal = True  # type: ignore[attr-defined]
+    pack._user_hooks = find_user() if find_user is not None else None  # type: ignore[attr-defined]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack_below):
+            yield
+    finally:
+        del pack._user_hooks  # type: ignore[attr-defined]
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -520,7 +541,7 @@ class _Contexts:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        with _autocast_cache_off(), _RecordPacks(self.policy), self.forward_mode:
+        with _autocast_cache_off(), _record_packs(self.policy), self.forward_mode:
             yield
         self.policy.finish(self.forward_mode.storage)
 
@@ -531,11 +552,30 @@ class _Contexts:
 
 
 class _Reenterable:
-    """Wraps a generator context factory so that one object can be entered many times."""
+    """Wraps a generator context factory so that one object can be entered many times.
 
-    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager]) -> None:
+    As a recompute context it also answers ``rewrites_state`` (see
+    :mod:`remat.strategies.recompute`): whether an op that runs again in the recompute
+    writes a tensor the block did not make (a norm's running statistics); a block whose
+    norms are all served from the cache needs no throw-away copies of their statistics.
+    """
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager],
+                 policy: _RegionPolicy | None = None) -> None:
         self.factory = factory
+        self.policy = policy
         self._active: list = []
+
+    @property
+    def rewrites_state(self) -> bool:
+        return self.policy is None or self.policy.rewrites_state
+
+    @property
+    def saves_nothing(self) -> bool:
+        """As a forward context: after the block's forward, whether its checkpoint keeps
+        every tensor autograd would have kept anyway (``attention`` on a block without an
+        attention core), so the block may as well run without one."""
+        return self.policy is not None and self.policy.saves_nothing
 
     def __enter__(self):
         ctx = self.factory()
@@ -628,7 +668,7 @@ class SelectiveCheckpoint(RecomputeStrategy):
         forward_mode, recompute_mode = create_selective_checkpoint_contexts(
             policy, allow_cache_entry_mutation=True)
         pair = _Contexts(policy, forward_mode, recompute_mode)
-        return _Reenterable(pair.forward), _Reenterable(pair.recompute)
+        return _Reenterable(pair.forward, policy), _Reenterable(pair.recompute, policy)
 
     def compile_context_fn(self) -> Callable[[], tuple]:
         """Under ``torch.compile``: SAC with the preset's op sets, as a

@@ -61,10 +61,19 @@ def test_interpolation_error_text_names_the_key_without_parsing_the_message():
 
 
 def test_an_image_size_pair_that_fails_still_writes_the_summary(tmp_path):
-    # the synthetic set takes a square side only: the run fails, its summary is written
-    cfg = compose_train(tmp_path, [*TINY_TRAINER, "data.image_size=[64,48]"])
-    with pytest.raises(Exception):  # noqa: B017 - whichever error the datamodule raises
+    # a grey model on RGB data: the run fails before training, with the [h, w] size in
+    # its summary
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, "data.image_size=[64,48]", "data.num_train=4",
+                                   "data.num_val=2", "data.batch_size=2", "model.in_channels=1"])
+    with pytest.raises(ValueError, match="model.in_channels=1"):
         train(cfg)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"]
     assert summary["size"] == [64, 48] and summary["size_key"] == "data.image_size"
+
+
+def test_an_image_size_pair_trains(tmp_path):
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, "data.image_size=[64,32]", "data.num_train=4",
+                                   "data.num_val=2", "data.batch_size=2"])
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["size"] == [64, 32]

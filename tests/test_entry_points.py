@@ -52,3 +52,29 @@ def test_gpu_check_script_runs_small_on_cpu(tmp_path):
     assert gpt["sizes"] == [32, 128]  # SEQ_MAX=128 caps the doubling on CPU; a quarter of it
     assert all(r["grads_match"] for r in unet["rows"] + gpt["rows"])
     assert "grads match" in (out / "gpt.txt").read_text()
+
+
+def test_a_non_editable_install_finds_its_config_tree(tmp_path):
+    """The wheel carries the Hydra config tree (``remat/configs/``): installed without the
+    repository, the package composes its configs from inside itself."""
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "-q",
+                            "-w", str(wheels)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel = next(wheels.glob("remat-*.whl"))
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q",
+                              "--target", str(target), str(wheel)],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    code = ("import remat.config as c; from hydra import compose, initialize_config_dir; "
+            "d = c.config_dir(); print(d); "
+            "initialize_config_dir(version_base='1.3', config_dir=str(d)); "
+            "print(compose('train', overrides=['strategy=sqrtn']).strategy._target_)")
+    env = {k: v for k, v in os.environ.items() if k != "REMAT_CONFIG_DIR"}
+    env["PYTHONPATH"] = str(target)  # ahead of the editable install of the repository
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    where, target_cls = proc.stdout.split()
+    assert Path(where) == target / "remat" / "configs"
+    assert target_cls == "remat.strategies.SqrtN"

@@ -2,17 +2,17 @@
 classes, and carries a well-formed ``reference:`` list (the results registry)."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
+from remat.config import config_dir
 from remat.models.metrics import SegmentationMetrics
 from tests.helpers import compose_train
 
-EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs"
+EXPERIMENTS = sorted(p.stem for p in (config_dir()
                                       / "experiment").glob("*.yaml"))
 # segmentation benchmarks of issue 6 (the GPT and ViT experiments belong to other suites)
 BENCHMARKS = ["cvc_clinicdb_unet", "deepglobe_road_unet", "drive_unet", "dubai_aerial_unet",
@@ -73,7 +73,7 @@ def test_experiment_composes_and_pins_its_recipe(tmp_path, name):
 
 def test_published_results_state_pretraining_and_hardware():
     for name in ("kvasir_unet", "loveda_deeplabv3plus", "drive_unet"):
-        cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "experiment"
+        cfg = OmegaConf.load(config_dir() / "experiment"
                              / f"{name}.yaml")
         for entry in cfg.reference:
             note = entry.note.lower()

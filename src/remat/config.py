@@ -14,17 +14,20 @@ __all__ = ["PRECISIONS", "check_top_level", "config_dir", "per_step_batch", "run
 
 
 def config_dir() -> Path:
-    """The ``configs/`` folder: ``$REMAT_CONFIG_DIR`` if set, else the repository's.
+    """The Hydra config tree: ``$REMAT_CONFIG_DIR`` if set, else the one shipped inside the
+    package (``remat/configs/``, so a non-editable ``pip install`` finds it too).
 
     Raises:
-        FileNotFoundError: neither exists (e.g. a non-editable install without the repo).
+        FileNotFoundError: the folder holds no ``train.yaml`` (a wrong ``REMAT_CONFIG_DIR``,
+            or an install that left the package data out).
     """
     env = os.environ.get("REMAT_CONFIG_DIR")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "configs"
+    path = Path(env) if env else Path(__file__).resolve().parent / "configs"
     if not (path / "train.yaml").is_file():
         raise FileNotFoundError(
-            f"remat config tree not found at {path} (expected train.yaml there); install remat "
-            "from its repository with `pip install -e .` or set REMAT_CONFIG_DIR"
+            f"remat config tree not found at {path} (expected train.yaml there); "
+            + ("REMAT_CONFIG_DIR points elsewhere" if env else
+               "reinstall remat (pip install remat, or pip install -e . from its repository)")
         )
     return path
 

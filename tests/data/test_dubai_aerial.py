@@ -11,11 +11,12 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from PIL import Image
 
+from remat.config import config_dir
 from remat.data import DubaiAerialDataModule
 from remat.data.dubai_aerial import DUBAI_CLASSES
 from tests.data.fakes import make_fake_dubai
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "dubai_aerial.yaml"
+CONFIG = config_dir() / "data" / "dubai_aerial.yaml"
 
 
 # ---------------------------------------------------------------------------- real data

@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from PIL import Image
 
+from remat.config import config_dir
 from remat.data import (
     CVCClinicDBDataModule,
     DeepGlobeRoadDataModule,
@@ -31,7 +32,7 @@ from remat.data.patch_seg import PatchSegDataModule
 from remat.data.splits import split_ids
 from tests.data import fakes
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "data"
+CONFIGS = config_dir() / "data"
 
 
 def _labels(array: np.ndarray) -> torch.Tensor:

@@ -10,12 +10,13 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torchvision.io import ImageReadMode
 
+from remat.config import config_dir
 from remat.data import ISBI2012DataModule
 from remat.data.io import read_image
 from remat.data.transforms import GREY_MEAN, GREY_STD, IMAGENET_MEAN, IMAGENET_STD
 from tests.data.fakes import make_fake_isbi
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "isbi2012.yaml"
+CONFIG = config_dir() / "data" / "isbi2012.yaml"
 
 
 # ---------------------------------------------------------------------------- real data

@@ -10,6 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torchvision.io import ImageReadMode
 
+from remat.config import config_dir
 from remat.data import KvasirSegDataModule, KvasirSegDataset
 from remat.data.io import DataFileError, read_image
 from remat.data.kvasir import KVASIR_URL, split_ids
@@ -17,7 +18,7 @@ from remat.data.transforms import eval_transform, train_transform
 from remat.data.verify import DataCheckError
 from tests.data import fakes
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "kvasir_seg.yaml"
+CONFIG = config_dir() / "data" / "kvasir_seg.yaml"
 
 
 # ---------------------------------------------------------------------------- fake copies

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,11 +10,12 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from remat.config import config_dir
 from remat.data import SyntheticSegDataModule, SyntheticSegDataset
 from remat.data.synthetic import render_sample
 from remat.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "data" / "synthetic_seg.yaml"
+CONFIG = config_dir() / "data" / "synthetic_seg.yaml"
 
 
 def _best_threshold_dice(values: torch.Tensor, mask: torch.Tensor) -> float:

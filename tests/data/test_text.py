@@ -9,9 +9,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from remat.config import config_dir
 from remat.data import ByteTextDataModule, CharTextDataModule, TokenWindows
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "data"
+CONFIGS = config_dir() / "data"
 SHAKESPEARE_BYTES = 1_115_394  # SOURCE.md of the copy
 
 

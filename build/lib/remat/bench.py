@@ -1,0 +1,703 @@
+"""Strategies side by side in one process: peak memory, step time, gradient parity.
+
+``python -m remat.bench model=unet_resnet34 data.image_size=512 data.batch_size=2`` or
+``python -m remat.bench model=gpt_small data.batch_size=2 'data.block_size=[512,1024,2048]'``
+(a list of sizes runs one after another in one process; one table with a size column).
+
+Protocol (GUIDE.md sec. 4): every strategy wraps a copy of the same model (same weights);
+peak memory of one training step (forward, loss, backward; parameters and gradients
+included, no optimizer state) is measured per strategy (CUDA allocator peak, or exact
+tensor-level MemTracker on CPU); step times are interleaved across strategies after
+``warmup`` rounds and the median of ``steps`` timed rounds is kept. A memory saving counts
+only if the strategy's gradients match ``none`` on the same batch and seed.
+
+On CUDA one model is on the device at a time: every model, and every stored gradient copy,
+waits on the CPU; the measured one is moved in, measured (or timed: the moves are outside
+the timed region) and moved out again, and the allocator cache is emptied, so a row's
+``max_memory_allocated`` counts that model alone (:class:`DeviceSlot`). On the CPU nothing
+moves.
+
+Reference rows from outside remat, measured in the same run: torch's
+``checkpoint_sequential`` with ceil(sqrt(N)) segments per ``nn.Sequential`` stage, timm's
+``set_grad_checkpointing`` wherever a timm model holds the stages (``tu-`` encoders, timm
+ViTs), and Hugging Face's own activation checkpointing wherever a ``transformers``
+``PreTrainedModel`` holds them (:class:`HFGradientCheckpointing`); a reference that cannot
+apply to the stages is skipped with a printed note; ``reference_points=false`` drops them.
+
+``compiled=true`` adds rows measured on models compiled with ``torch.compile`` (backend
+``compile_backend``, default ``inductor``; strategies ``compile_strategies``, default none,
+full, sqrtn), with
+ratios to ``none`` compiled and gradients compared with eager ``none``. On the CPU their
+peak comes from ``torch.profiler`` memory events (:class:`ProfilerPeakMemory`): MemTracker
+is a ``TorchDispatchMode``, under which dynamo runs the model eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import logging
+import platform
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from torch.utils.checkpoint import checkpoint_sequential
+
+from remat import run_shape
+from remat.config import config_dir
+from remat.measure import (
+    TOLERANCES,
+    PeakMemory,
+    StepTimer,
+    compare_gradients,
+    device_name,
+    format_bytes,
+    training_step,
+)
+from remat.models.hf import is_hf_model
+from remat.strategies import (
+    CheckpointStrategy,
+    StageError,
+    StrategyReport,
+    TimmNative,
+    build_strategy,
+    resolve_stages,
+    sqrt_segments,
+    wrapping,
+)
+
+log = logging.getLogger(__name__)
+
+# image side (px) when data.image_size is null (configs/bench.yaml)
+DEFAULT_IMAGE_SIZE = 512
+TIMM_REFERENCE = "timm_set_grad_checkpointing"
+PEAK_METHODS = {"allocator": "cuda allocator", "memtracker": "MemTracker",
+                "profiler": "torch.profiler"}
+
+
+@dataclass
+class BenchRow:
+    """One strategy's result. Bytes and milliseconds; ratios are to ``none`` (to ``none``
+    compiled for compiled rows); gradients are compared with eager ``none``.
+
+    ``compiled`` is the ``torch.compile`` backend of a compiled row (else ``None``);
+    ``peak_method`` says what measured the peak (:data:`PEAK_METHODS` values).
+    """
+
+    strategy: str
+    peak_bytes: int
+    median_ms: float
+    grads_match: bool
+    max_grad_diff: float
+    peak_ratio: float = float("nan")
+    time_ratio: float = float("nan")
+    step_ms: list[float] = field(default_factory=list)
+    reserved_bytes: int | None = None
+    size: int | None = None
+    compiled: str | None = None
+    peak_method: str = ""
+
+
+def _step(module: L.LightningModule, batch: dict, device: torch.device, precision: str) -> None:
+    module.zero_grad(set_to_none=True)
+    training_step(module, batch, None, device, precision)
+
+
+class DeviceSlot:
+    """At most one benchmark model on the measuring device at a time (GUIDE.md sec. 4).
+
+    With ``swap`` (default: on CUDA) models live on the host (CPU); :meth:`load` moves one
+    in after moving the previous one out (its gradients dropped first) and emptying the
+    CUDA cache, and :meth:`keep` stores gradient copies on the host. Without ``swap`` (the
+    CPU, where there is nothing to move) models stay where they are and ``load`` only
+    records which one runs. The three moves are methods (``_move_in``, ``_move_out``,
+    ``_to_home``), so tests can stand in a fake device.
+
+    Args:
+        device: the measuring device.
+        swap: move models in and out (default ``device.type == "cuda"``).
+    """
+
+    host = torch.device("cpu")
+
+    def __init__(self, device: torch.device | str, swap: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.swap = self.device.type == "cuda" if swap is None else bool(swap)
+        self.resident: torch.nn.Module | None = None
+
+    @property
+    def home(self) -> torch.device:
+        """Where models wait between rows: the host with ``swap``, else the device."""
+        return self.host if self.swap else self.device
+
+    def load(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make ``model`` the one on the device (moving the previous one out); returns it."""
+        if self.resident is not model:
+            self.unload()
+            if self.swap:
+                self._move_in(model)
+            self.resident = model
+        return model
+
+    def unload(self) -> None:
+        """Move the resident model back to the host (gradients dropped) and empty the
+        allocator cache; a no-op without ``swap``."""
+        model, self.resident = self.resident, None
+        if model is None or not self.swap:
+            return
+        model.zero_grad(set_to_none=True)
+        self._move_out(model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def keep(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of ``tensors`` where they may wait between rows (the host with ``swap``)."""
+        return {k: self._to_home(v.detach()) for k, v in tensors.items()}
+
+    def _move_in(self, model: torch.nn.Module) -> None:
+        model.to(self.device)
+
+    def _move_out(self, model: torch.nn.Module) -> None:
+        model.to(self.host)
+
+    def _to_home(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.home, copy=True)
+
+
+class ProfilerPeakMemory:
+    """Peak memory of the work inside the block from ``torch.profiler`` memory events, in
+    bytes: the highest running sum of the allocations and frees it records on ``device``
+    (``profile_memory=True``; every allocation through the device's allocator, so compiled
+    kernels too), plus the parameters and buffers of ``modules`` held at the start. On an
+    eager step this equals MemTracker's peak to within rounding (``tests/test_bench.py``).
+
+    Reads the raw event stream (``prof.profiler.kineto_results.events()``, ``[memory]``
+    events with signed ``nbytes``): torch's public ``events()`` folds allocations into the
+    ops that made them and loses the time order.
+
+    After the block: ``peak_bytes`` (int), ``reserved_bytes`` (``None``).
+    """
+
+    def __init__(self, device: torch.device | str, modules: Iterable[torch.nn.Module] = ()):
+        self.device = torch.device(device)
+        self.modules = list(modules)
+        self.peak_bytes: int | None = None
+        self.reserved_bytes: int | None = None
+        self._prof = None
+
+    def __enter__(self) -> ProfilerPeakMemory:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        self._prof = profile(activities=activities, profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._prof.__exit__(*exc)
+        kind = torch._C._autograd.DeviceType.CUDA if self.device.type == "cuda" \
+            else torch._C._autograd.DeviceType.CPU
+        events = sorted((e for e in self._prof.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and e.device_type() == kind),
+                        key=lambda e: e.start_ns())
+        running = peak = 0
+        for event in events:
+            running += event.nbytes()
+            peak = max(peak, running)
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for m in self.modules for t in (*m.parameters(), *m.buffers())
+                if t.device.type == self.device.type}
+        self.peak_bytes = int(sum(held.values()) + peak)
+        self._prof = None
+
+
+def _peak_meter(device: torch.device, model: torch.nn.Module, compiled: bool
+                ) -> tuple[Callable[[], Any], str]:
+    """The peak-memory context for one row and its name: the CUDA allocator, MemTracker for
+    eager CPU rows, torch.profiler for compiled CPU rows."""
+    if device.type == "cuda":
+        return (lambda: PeakMemory(device, modules=[model])), PEAK_METHODS["allocator"]
+    if compiled:
+        return (lambda: ProfilerPeakMemory(device, modules=[model])), PEAK_METHODS["profiler"]
+    return (lambda: PeakMemory(device, modules=[model])), PEAK_METHODS["memtracker"]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def _measure(base: L.LightningModule, stages: Sequence[str],
+             strategies: dict[str, CheckpointStrategy], batch: dict[str, torch.Tensor],
+             device: torch.device, precision: str, warmup: int, steps: int, seed: int,
+             slot: DeviceSlot, compile_backend: str | None = None,
+             reference_grads: dict[str, torch.Tensor] | None = None,
+             notes: list[str] | None = None,
+             ) -> tuple[list[BenchRow], dict[str, dict[str, torch.Tensor]]]:
+    """One group of interleaved rows (all eager, or all compiled with ``compile_backend``).
+
+    Returns the rows and each row's gradients (on ``slot.home``). Gradients are compared
+    with ``reference_grads`` (default: this group's ``none``). A compiled row whose first
+    step fails is left out with a note in ``notes``; an eager row's error propagates.
+    """
+    models: dict[str, L.LightningModule] = {}
+    for name, strategy in strategies.items():
+        model = copy.deepcopy(base).to(slot.home).train()
+        strategy.apply(model.net, list(stages))
+        if compile_backend is not None:
+            model.net.compile(backend=compile_backend)  # in place: parameter names unchanged
+        models[name] = model
+
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for name in list(models):  # gradient parity: same batch, same RNG
+        model = slot.load(models[name])
+        torch.manual_seed(seed)
+        try:
+            _step(model, batch, device, precision)
+        except Exception as err:
+            if compile_backend is None or name == "none":
+                raise
+            slot.unload()
+            del models[name]
+            if notes is not None:
+                notes.append(f"{name} compiled ({compile_backend}) left out: "
+                             f"{_first_line(err)}")
+            continue
+        grads[name] = slot.keep({n: p.grad for n, p in model.named_parameters()
+                                 if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+    peaks, methods = {}, {}
+    for name, model in models.items():
+        slot.load(model)
+        model.zero_grad(set_to_none=True)
+        meter, methods[name] = _peak_meter(device, model, compile_backend is not None)
+        with meter() as peak:
+            _step(model, batch, device, precision)
+        peaks[name] = peak
+        model.zero_grad(set_to_none=True)
+    timers = {name: StepTimer(device, warmup=warmup) for name in models}
+    for _ in range(warmup + steps):
+        for name, model in models.items():
+            slot.load(model)  # moves (CUDA) happen here, before the timer starts
+            timers[name].start()
+            _step(model, batch, device, precision)
+            timers[name].stop()
+    slot.unload()
+
+    rtol, atol = TOLERANCES.get(precision, (1e-2, 1e-2))
+    reference = grads["none"] if reference_grads is None else reference_grads
+    rows = []
+    for name in models:
+        parity = compare_gradients(reference, grads[name], rtol=rtol, atol=atol)
+        label = name if compile_backend is None else f"{name} (compiled, {compile_backend})"
+        rows.append(BenchRow(label, int(peaks[name].peak_bytes), float(timers[name].median_ms),
+                             parity.match, parity.max_abs_diff, step_ms=timers[name].times_ms,
+                             reserved_bytes=peaks[name].reserved_bytes,
+                             compiled=compile_backend, peak_method=methods[name]))
+    ref_row = rows[list(models).index("none")]
+    for row in rows:
+        row.peak_ratio = row.peak_bytes / ref_row.peak_bytes
+        row.time_ratio = row.median_ms / ref_row.median_ms
+    return rows, grads
+
+
+def run_benchmark(base: L.LightningModule, stages: Sequence[str],
+                  strategies: dict[str, CheckpointStrategy], batch: dict[str, torch.Tensor],
+                  device: torch.device | str = "cpu", precision: str = "32-true",
+                  warmup: int = 2, steps: int = 5, seed: int = 0,
+                  compile_backend: str | None = None, slot: DeviceSlot | None = None,
+                  notes: list[str] | None = None) -> list[BenchRow]:
+    """Measure every strategy on copies of ``base`` (a module with ``training_loss(batch)``).
+
+    Args:
+        base: model without any strategy applied; each strategy wraps a deep copy.
+        stages: stage paths inside ``base.net`` the strategies act on.
+        strategies: name -> strategy; must include ``none`` (the reference).
+        batch: one batch (same for every strategy).
+        warmup, steps: untimed and timed interleaved rounds (>= 1 timed round).
+        compile_backend: ``torch.compile`` backend (``inductor``, ``aot_eager``, ...) to
+            compile every row's ``net`` with (``nn.Module.compile``, in place), or ``None``
+            (eager). Compiled rows are compared with eager ``none``: a baseline is measured
+            first and its gradients are the reference; ratios are to ``none`` compiled.
+        slot: where models wait between rows (default ``DeviceSlot(device)``: one model on
+            the device at a time on CUDA, nothing moved on the CPU).
+        notes: list that receives a line for each compiled row left out.
+
+    Returns:
+        one :class:`BenchRow` per strategy, in the given order (compiled rows that failed
+        left out).
+
+    Raises:
+        ValueError: ``none`` missing, ``steps < 1``, or unknown precision.
+    """
+    if "none" not in strategies:
+        raise ValueError("bench strategies must include 'none', the reference")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got {steps}, {warmup}")
+    device = torch.device(device)
+    slot = DeviceSlot(device) if slot is None else slot
+    batch = {k: v.to(device) for k, v in batch.items()}
+    reference = None
+    if compile_backend is not None:
+        _, grads = _measure(base, stages, {"none": strategies["none"]}, batch, device,
+                            precision, 0, 1, seed, slot)
+        reference = grads["none"]
+    rows, _ = _measure(base, stages, strategies, batch, device, precision, warmup, steps, seed,
+                       slot, compile_backend, reference, notes)
+    return rows
+
+
+class TorchCheckpointSequential(CheckpointStrategy):
+    """Reference point from outside remat: ``torch.utils.checkpoint.checkpoint_sequential``
+    with ceil(sqrt(N)) segments on each ``nn.Sequential`` stage (non-reentrant).
+
+    Plain torch, so its recompute updates BatchNorm running statistics a second time; the
+    benchmark compares gradients only.
+    """
+
+    name = "torch_checkpoint_sequential"
+
+    def check_stage(self, path: str, module: torch.nn.Module) -> None:
+        if not isinstance(module, torch.nn.Sequential):
+            raise StageError(f"{self.name} needs nn.Sequential stages: '{path}' is a "
+                             f"{type(module).__name__}")
+
+    def wrap_stage(self, path: str, module: torch.nn.Module, report: StrategyReport) -> None:
+        wrapping.install(module, wrapping.Wrap(self, path, self.run))
+        report.segments[path] = sqrt_segments(len(module))
+        report.wrapped.extend(f"{path}.{i}" for i in range(len(module)))
+
+    def run(self, module: torch.nn.Sequential, wrap: wrapping.Wrap, forward, args: tuple,
+            kwargs: dict):
+        """``checkpoint_sequential`` over the chain's blocks (its one input)."""
+        wrap.calls += 1
+        return checkpoint_sequential(list(module), max(1, len(sqrt_segments(len(module)))),
+                                     *args, use_reentrant=False)
+
+
+class HFGradientCheckpointing(CheckpointStrategy):
+    """Reference point from outside remat: Hugging Face's own activation checkpointing,
+    ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+    False})`` (``activation_checkpointing_enable``, its non-deprecated name in transformers
+    5, when present), called on the outermost ``transformers.PreTrainedModel`` that holds
+    each stage.
+
+    What is recomputed is HF's choice: every ``GradientCheckpointingLayer`` of that model
+    (each decoder/encoder layer its own checkpoint, ``torch.utils.checkpoint`` without
+    reentrance; the layer turns ``use_cache`` off while it checkpoints). The report lists
+    those layers. ``remove`` calls ``gradient_checkpointing_disable()``
+    (``activation_checkpointing_disable``) and removes the input-embedding hook that
+    enabling added.
+
+    Raises:
+        StageError: no ``PreTrainedModel`` holds a stage, or the model does not support
+            gradient checkpointing, or the stage holds none of its checkpointed layers.
+    """
+
+    name = "hf_gradient_checkpointing"
+
+    def apply(self, model: torch.nn.Module, stages: Iterable[str]) -> StrategyReport:
+        resolved = resolve_stages(model, stages)
+        report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
+        owners: dict[int, tuple[str, torch.nn.Module]] = {}
+        for path, stage in resolved:
+            owner = _outermost_hf_model(model, path)
+            if owner is None:
+                raise StageError(f"{self.name} needs a Hugging Face PreTrainedModel holding "
+                                 f"stage '{path}'; {type(model).__name__} has none there")
+            prefix, hf_model = owner
+            if not getattr(hf_model, "supports_gradient_checkpointing", False):
+                raise StageError(f"{self.name}: {type(hf_model).__name__} (holding stage "
+                                 f"'{path}') does not support gradient checkpointing")
+            if not any(_is_hf_checkpoint_layer(m) for m in stage.modules()):
+                raise StageError(f"{self.name}: stage '{path}' holds no layer Hugging Face "
+                                 "checkpoints (GradientCheckpointingLayer); list the layer "
+                                 "chain, e.g. model.layers or transformer.h")
+            owners[id(hf_model)] = (prefix, hf_model)
+        wrapping.unwrap_all(model)  # replaces any strategy applied before, as every one does
+        for prefix, hf_model in owners.values():
+            wrapping.install(hf_model, wrapping.Wrap(self, prefix))  # undone by undo()
+            kwargs = {"use_reentrant": False}
+            if hasattr(hf_model, "activation_checkpointing_enable"):
+                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:  # transformers 4.35 - 4.x
+                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            for name, child in hf_model.named_modules():
+                if _is_hf_checkpoint_layer(child) and child.gradient_checkpointing:
+                    report.wrapped.append(".".join(p for p in (prefix, name) if p))
+        for path, stage in resolved:
+            blocks = [i for i, child in enumerate(stage.children())
+                      if _is_hf_checkpoint_layer(child) and child.gradient_checkpointing]
+            if blocks:
+                report.segments[path] = [(i, i + 1) for i in blocks]
+        return report
+
+    def undo(self, module: torch.nn.Module, wrap: wrapping.Wrap) -> None:
+        """Switch Hugging Face's checkpointing off again on the model ``apply`` switched on
+        (asked by :func:`remat.strategies.unwrap_all`, so any later strategy replaces it)."""
+        if hasattr(type(module), "activation_checkpointing_disable"):
+            module.activation_checkpointing_disable()
+        else:  # transformers 4.35 - 4.x
+            module.gradient_checkpointing_disable()
+        if hasattr(module, "_require_grads_hook"):
+            module.disable_input_require_grads()
+        wrapping.uninstall(module)
+
+
+def _is_hf_checkpoint_layer(module: torch.nn.Module) -> bool:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return isinstance(module, GradientCheckpointingLayer)
+
+
+def _outermost_hf_model(model: torch.nn.Module, path: str
+                        ) -> tuple[str, torch.nn.Module] | None:
+    """``(prefix, module)`` of the outermost ``PreTrainedModel`` on the way from ``model`` to
+    ``path`` (the model itself, prefix ``""``, when it is one), or ``None``."""
+    parts = path.split(".")
+    for depth in range(len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        module = model.get_submodule(prefix) if prefix else model
+        if is_hf_model(module):
+            return prefix, module
+    return None
+
+
+def plot(rows: Sequence[BenchRow], path: Path, title: str) -> None:
+    """Scatter of peak memory (MiB) against median step time (ms), one point per strategy,
+    ``none`` marked; written as PNG with matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ref = r.strategy == "none"
+        ax.scatter(r.median_ms, r.peak_bytes / 2**20, marker="*" if ref else "o",
+                   s=160 if ref else 50, color="black" if ref else None, zorder=3)
+        ax.annotate(r.strategy, (r.median_ms, r.peak_bytes / 2**20), fontsize=8,
+                    xytext=(5, 4), textcoords="offset points")
+    ax.set_xlabel("median step time (ms)")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """Plain-text table: size, strategy, peak memory, x none, median step ms, x none, grads
+    match (yes/NO), peak by (what measured the peak). Compiled rows' ratios are to ``none``
+    compiled with the same backend."""
+    w = max([len("strategy"), *(len(r.strategy) for r in rows)]) + 2
+    lines = [f"{'size':>6}  {'strategy':<{w}}{'peak memory':>14}{'x none':>9}{'step time':>13}"
+             f"{'x none':>9}{'grads match':>13}  peak by"]
+    for r in rows:
+        lines.append(f"{r.size if r.size is not None else '':>6}  {r.strategy:<{w}}"
+                     f"{format_bytes(r.peak_bytes):>14}{r.peak_ratio:>9.2f}"
+                     f"{r.median_ms:>10.1f} ms{r.time_ratio:>9.2f}"
+                     f"{'yes' if r.grads_match else 'NO':>13}  {r.peak_method}")
+    return "\n".join(lines)
+
+
+def _sizes(cfg: DictConfig) -> tuple[str, list[int]]:
+    """The size key and its values: ``data.block_size`` for sequence models (default
+    ``model.block_size``), ``data.image_size`` for image models (default
+    :data:`DEFAULT_IMAGE_SIZE` px); one value or a list.
+
+    Raises:
+        ValueError: a missing size or one that is not an integer >= 1 (names the key); the
+            size key of the other model kind set (``data.image_size`` for a GPT,
+            ``data.block_size`` for an image model), naming both keys.
+    """
+    sequence = run_shape.is_sequence_model(cfg.model)
+    other, used = (("data.image_size", "data.block_size") if sequence
+                   else ("data.block_size", "data.image_size"))
+    if cfg.data.get(other.split(".")[1]) is not None:
+        kind = "sequence" if sequence else "image"
+        raise ValueError(f"bench: {other} does not apply to this {kind} model "
+                         f"(model._target_={cfg.model.get('_target_')}); set {used} instead")
+    if sequence:
+        key, value = "data.block_size", cfg.data.get("block_size")
+        if value is None:  # the model config's own fallback, as without a data.block_size
+            fallback = cfg.copy()
+            with open_dict(fallback):
+                del fallback.data["block_size"]
+            value = fallback.model.block_size
+    else:
+        key, value = "data.image_size", cfg.data.get("image_size")
+        value = DEFAULT_IMAGE_SIZE if value is None else value
+    values = list(value) if isinstance(value, ListConfig | list | tuple) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+        raise ValueError(f"bench: {key} must be an integer >= 1 or a list of them, got "
+                         f"{shown!r}")
+    return key, [int(v) for v in values]
+
+
+def reference_rows(base: L.LightningModule, stages: Sequence[str]
+                   ) -> tuple[dict[str, CheckpointStrategy], list[str]]:
+    """The reference rows that apply to ``base.net``'s ``stages``, and a note for each that
+    does not: torch's ``checkpoint_sequential`` (``nn.Sequential`` stages only), timm's
+    ``set_grad_checkpointing`` (a timm model holds the stages) and Hugging Face's activation
+    checkpointing (a ``PreTrainedModel`` holds them). Each is tried on a copy of the net."""
+    candidates: list[CheckpointStrategy] = [TorchCheckpointSequential(), TimmNative(),
+                                            HFGradientCheckpointing()]
+    names = {TimmNative: TIMM_REFERENCE}
+    rows: dict[str, CheckpointStrategy] = {}
+    notes: list[str] = []
+    for strategy in candidates:
+        name = names.get(type(strategy), strategy.name)
+        try:
+            strategy.apply(copy.deepcopy(base.net), list(stages))
+        except StageError as err:
+            reason = re.split(r" \(checked|; ", str(err))[0]  # the first clause says why
+            notes.append(f"reference {name} skipped: {reason}")
+            continue
+        rows[name] = type(strategy)()
+    return rows, notes
+
+
+def _build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
+    """Row label -> strategy for ``strategies``-style entries: a name, or ``{name: ...,
+    arg: value}`` (label ``name(arg=value)``)."""
+    strategies: dict[str, CheckpointStrategy] = {}
+    for spec in specs:
+        name, overrides = (spec, {}) if isinstance(spec, str) else (
+            spec["name"], {k: v for k, v in spec.items() if k != "name"})
+        args = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        label = f"{name}({args})" if overrides else name
+        strategies[label] = build_strategy(name, **overrides)
+    return strategies
+
+
+def bench(cfg: DictConfig) -> dict[str, Any]:
+    """Run the benchmark the config describes, once per size in the size list; write
+    ``bench.csv``, ``bench.json`` and ``bench.png`` (one table, a ``size`` column).
+
+    Reference rows that cannot apply to the stages are skipped with a printed note (also
+    in ``bench.json``, ``notes``); so are compiled rows whose compilation fails.
+
+    Raises:
+        ValueError: unknown strategy (lists valid ones), bad sizes (naming the key) or
+            precision; ``compile_strategies`` without ``none``.
+    """
+    precision = run_shape.check_precision(cfg.precision, cfg.device, run_shape.TRACED_PRECISIONS,
+                                          "bench precision")
+    batch_size = cfg.data.get("batch_size")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"bench: data.batch_size must be an integer >= 1, got {batch_size!r}")
+    size_key, sizes = _sizes(cfg)
+    device = run_shape.resolve_device(cfg.device)
+    strategies = _build_strategies(cfg.strategies)
+    if "none" not in strategies:
+        raise ValueError("bench strategies must include 'none', the reference")
+    if int(cfg.steps) < 1 or int(cfg.warmup) < 0:
+        raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got {cfg.steps}, "
+                         f"{cfg.warmup}")
+    compiled = bool(cfg.get("compiled", False))
+    backend = str(cfg.get("compile_backend", "inductor"))
+    compile_runs = _build_strategies(cfg.get("compile_strategies") or []) if compiled else {}
+    if compiled and "none" not in compile_runs:
+        raise ValueError(f"bench: compile_strategies must include 'none' (the compiled "
+                         f"reference), got {list(compile_runs)}")
+    slot = DeviceSlot(device)
+    rows: list[BenchRow] = []
+    notes: list[str] = []
+    for size in sizes:
+        L.seed_everything(cfg.seed, workers=False)
+        run_cfg = copy.deepcopy(cfg)  # this size in data.*, so ${data...} in the model follow
+        with open_dict(run_cfg):
+            run_cfg.data[size_key.split(".")[1]] = size
+            model_cfg = run_cfg.model  # one step, no optimizer: drop the scheduler
+            model_cfg.scheduler = None
+            if size_key == "data.block_size":
+                model_cfg.block_size = size  # the model follows the data, as in training
+        base = instantiate(model_cfg)  # no strategy: wraps nothing
+        runs = dict(strategies)
+        if cfg.get("reference_points", True):
+            references, skipped = reference_rows(base, list(cfg.model.stages))
+            runs.update(references)
+            for note in skipped:
+                print(f"note: {note}", flush=True)
+            notes.extend(f"size {size}: {n}" for n in skipped)
+        generator = torch.Generator().manual_seed(cfg.seed)
+        batch = {k: v.to(device)
+                 for k, v in base.example_batch(batch_size, size, generator).items()}
+        args = (precision, int(cfg.warmup), int(cfg.steps), int(cfg.seed), slot)
+        size_rows, grads = _measure(base, list(cfg.model.stages), runs, batch, device, *args)
+        if compile_runs:
+            size_notes: list[str] = []
+            compiled_rows, _ = _measure(base, list(cfg.model.stages), compile_runs, batch,
+                                        device, *args, compile_backend=backend,
+                                        reference_grads=grads["none"], notes=size_notes)
+            size_rows += compiled_rows
+            for note in size_notes:
+                print(f"note: {note}", flush=True)
+            notes.extend(f"size {size}: {n}" for n in size_notes)
+        del grads
+        for row in size_rows:
+            row.size = size
+        rows.extend(size_rows)
+        print(format_table(size_rows), flush=True)  # progress: one size at a time
+        del base, batch
+    model_name = cfg.model._target_.rsplit(".", 1)[-1]
+    record = {
+        "model": OmegaConf.to_container(cfg.model, resolve=False),
+        "batch_size": batch_size, "size_key": size_key, "sizes": sizes,
+        "precision": str(cfg.precision), "device": device_name(device),
+        "torch_version": torch.__version__, "machine": platform.machine(),
+        "warmup": int(cfg.warmup), "steps": int(cfg.steps),
+        "compiled": compiled, "compile_backend": backend if compiled else None,
+        "one_model_on_device": slot.swap, "notes": notes,
+        "rows": [asdict(r) for r in rows],
+    }
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(record, indent=2))
+    title = (f"{model_name}, batch {batch_size}, {size_key} {', '.join(map(str, sizes))}, "
+             f"{cfg.precision}, {record['device']}")
+    plot(rows, out / "bench.png", title)
+    with (out / "bench.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["size", "strategy", "peak_bytes", "peak_ratio", "median_ms",
+                         "time_ratio", "grads_match", "max_grad_diff", "reserved_bytes",
+                         "compiled", "peak_method"])
+        for r in rows:
+            writer.writerow([r.size, r.strategy, r.peak_bytes, f"{r.peak_ratio:.4f}",
+                             f"{r.median_ms:.2f}", f"{r.time_ratio:.4f}", r.grads_match,
+                             f"{r.max_grad_diff:.3g}", r.reserved_bytes or "",
+                             r.compiled or "", r.peak_method])
+    print(f"{model_name} batch {batch_size}, {size_key} {sizes}, {cfg.precision}, "
+          f"{record['device']}, torch {torch.__version__}")
+    print(format_table(rows))
+    for note in notes:
+        print(f"note: {note}")
+    print(f"wrote {out / 'bench.csv'}, {out / 'bench.json'} and {out / 'bench.png'}")
+    return record
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")
+def main(cfg: DictConfig) -> None:
+    """Hydra app around :func:`bench`."""
+    bench(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""``last.ckpt`` that is really the last state, written atomically, and stops on signals that
+lose nothing.
+
+Lightning's ``ModelCheckpoint(save_last=True)`` writes ``last.ckpt`` only when a top-k
+checkpoint is written in the same step (``save_last`` docs: "whenever a checkpoint file gets
+saved"), so with a ``monitor`` it holds the best epoch, not the last one. :class:`LastCheckpoint`
+fills that gap; the best checkpoint stays with ``ModelCheckpoint``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = ("SIGTERM", "SIGINT")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local writes are atomic: the checkpoint goes to a hidden
+    temporary file in the target folder, is flushed to disk (``fsync``) and then renamed over
+    the target (``os.replace``). A full disk or a kill mid-write leaves the previous file
+    intact and no partial one. (Lightning's own writer stages the file in the system temp
+    folder and moves it, which is a copy, not a rename, when that folder is on another
+    filesystem.) Remote paths (``s3://``...) use Lightning's writer.
+
+    Raises:
+        TypeError: ``storage_options`` given (as ``TorchCheckpointIO``).
+        OSError: the write failed (disk full, permissions); the temporary file is removed.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO.save_checkpoint does not take storage_options")
+        if type(get_filesystem(path)).__name__ != "LocalFileSystem":
+            return super().save_checkpoint(checkpoint, path)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+class LastCheckpoint(Checkpoint):
+    """Writes ``<dirpath>/<filename>.ckpt`` (default ``last.ckpt``) with the full training
+    state (weights, optimizer, scheduler, loops, callbacks such as
+    :class:`~remat.callbacks.ResumeState`):
+
+    * at the end of every training epoch: after its validation (where ``ModelCheckpoint``
+      saves), or at ``on_train_epoch_end`` when no validation runs then,
+    * every ``every_n_train_steps`` optimizer steps if set,
+    * when training ends (so its ``global_step`` is the run's last step),
+    * on SIGTERM or SIGINT: the signal is held until the current optimizer step is complete
+      (all accumulated batches, or the epoch end), the checkpoint is written, and the run stops
+      through Lightning's SIGTERM path (``SIGTERMException``, ``on_exception`` hooks, loggers
+      finalised). A second signal while waiting acts at once (SIGINT: ``KeyboardInterrupt``).
+      ``received_signal`` names the signal (``"SIGTERM"``/``"SIGINT"``).
+
+    Nothing is written when a run fails with another exception: its state may be mid-step,
+    and the last good ``last.ckpt`` is kept. Signal handlers are installed at train start in
+    the main thread only and restored at train end. With ``SLURMEnvironment(auto_requeue)``
+    Lightning's SIGUSR1 handler (HPC checkpoint and requeue) is left in place.
+
+    Raises:
+        ValueError: ``every_n_train_steps`` < 1 (when set) or an empty ``filename``.
+    """
+
+    def __init__(self, dirpath: str | Path, filename: str = "last",
+                 every_n_train_steps: int | None = None) -> None:
+        super().__init__()
+        if not filename:
+            raise ValueError("LastCheckpoint: filename must not be empty")
+        if every_n_train_steps is not None and int(every_n_train_steps) < 1:
+            raise ValueError(f"LastCheckpoint: every_n_train_steps must be >= 1 or null, got "
+                             f"{every_n_train_steps}")
+        self.dirpath = Path(dirpath)
+        self.filename = filename
+        self.every_n_train_steps = every_n_train_steps
+        self.received_signal: str | None = None
+        self.saved_step: int | None = None
+        self._saved_at: tuple[int, int, str] | None = None
+        self._handlers: dict[int, Any] = {}
+        self._step_at_batch_start = 0
+
+    @property
+    def path(self) -> Path:
+        """Where the checkpoint is written."""
+        return self.dirpath / f"{self.filename}.ckpt"
+
+    @property
+    def last_model_path(self) -> str:
+        """The checkpoint's path once written, else ``""`` (as ``ModelCheckpoint``)."""
+        return str(self.path) if self.saved_step is not None else ""
+
+    @property
+    def state_key(self) -> str:
+        # not the folder: a run resumed into another folder still finds this callback's state
+        return self._generate_state_key(filename=self.filename)
+
+    def save(self, trainer: L.Trainer, where: str) -> None:
+        """Write the checkpoint now (once per step and place: ``where`` names the hook)."""
+        key = (trainer.current_epoch, trainer.global_step, where)
+        if self._saved_at == key or trainer.sanity_checking or trainer.fast_dev_run:
+            return
+        trainer.save_checkpoint(self.path)
+        self._saved_at, self.saved_step = key, trainer.global_step
+        log.info("wrote %s (epoch %d, global step %d, %s)", self.path, trainer.current_epoch,
+                 trainer.global_step, where)
+
+    # --- signals -------------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in STOP_SIGNALS:
+            signum = getattr(signal, name)
+            self._handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.received_signal is None:
+            self.received_signal = signal.Signals(signum).name
+            log.warning("received %s: stopping after the current optimizer step, with a "
+                        "checkpoint (send it again to stop at once)", self.received_signal)
+            return
+        previous = self._handlers.get(signum)
+        self._restore_handlers()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if callable(previous):
+            previous(signum, frame)
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._handlers = {}
+
+    def _stop(self, trainer: L.Trainer, where: str) -> None:
+        """Checkpoint, then hand the stop to Lightning's SIGTERM handling (registered by the
+        Trainer for this fit): it raises ``SIGTERMException`` at the end of this batch/epoch."""
+        self.save(trainer, where)
+        handler = self._handlers.get(signal.SIGTERM)
+        if callable(handler):
+            handler(signal.SIGTERM, None)  # Lightning's: sets trainer.received_sigterm
+        else:
+            raise SIGTERMException
+
+    # --- when to write -------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._step_at_batch_start:
+            return  # gradients are still being accumulated: no complete step to save
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if self.received_signal and not last_batch:  # at the epoch's end: after validation
+            self._stop(trainer, "signal")
+            return
+        n = self.every_n_train_steps
+        if n and trainer.global_step % n == 0 and not last_batch:
+            self.save(trainer, "every_n_train_steps")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the validation at an epoch's end: where ModelCheckpoint saves too, and the point
+        # Lightning resumes from most reliably (also with trainer.max_steps)
+        if trainer.sanity_checking or not trainer.training and trainer.state.fn != "fit":
+            return
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._epoch_end(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._saved_at is None or self._saved_at[:2] != (trainer.current_epoch,
+                                                            trainer.global_step) \
+                or self._saved_at[2] not in ("epoch_end", "signal"):
+            self._epoch_end(trainer)  # no validation at this epoch's end
+
+    def _epoch_end(self, trainer: L.Trainer) -> None:
+        if self.received_signal:
+            self._stop(trainer, "epoch_end")
+        else:
+            self.save(trainer, "epoch_end")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_handlers()
+        if self.saved_step != trainer.global_step:
+            self.save(trainer, "train_end")
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        self._restore_handlers()
+        # SIGTERMException is raised by Lightning after a complete batch: a clean state
+        if isinstance(exception, SIGTERMException) and self.saved_step != trainer.global_step:
+            self.save(trainer, "sigterm")
+        if isinstance(exception, SIGTERMException) and self.received_signal is None:
+            self.received_signal = "SIGTERM"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dirpath": str(self.dirpath), "filename": self.filename}

@@ -1,0 +1,147 @@
+"""Lightning adapter over :class:`remat.measure.PeakMemory`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from remat.measure import PeakMemory
+
+
+class PeakMemoryMonitor(L.Callback):
+    """Measures the peak memory of the training batches of this process's first
+    ``track_steps`` optimizer steps, and of each epoch where that is cheap.
+
+    With ``accumulate_grad_batches=k`` an optimizer step spans k batches: tracking goes on
+    until ``track_steps`` optimizer steps have completed (at most ``track_steps * k``
+    batches), so the measured steps include optimizer steps, with the optimizer state
+    allocated, whatever k is. A resumed run measures its own first steps (nothing is taken
+    from the checkpoint but the per-epoch history). :meth:`measured` says which batches and
+    optimizer steps were measured.
+
+    Each tracked batch (forward, backward and, when due, the optimizer step) runs inside
+    its own :class:`~remat.measure.PeakMemory`; the maximum is kept. On CPU the tracker is
+    exact but slows the tracked batches, so :class:`StepTimeMonitor` skips them.
+
+    Logged (bytes): ``mem/step_peak_bytes`` per tracked batch, ``mem/peak_bytes`` (their
+    maximum) once tracking ends, ``mem/epoch_peak_bytes`` per epoch. The epoch peak is the
+    allocator's peak over the whole epoch on CUDA; on CPU only the tracked batches are
+    measured, so it is their maximum within that epoch (absent for epochs without one).
+    Only totals are kept: Lightning runs forward and backward inside
+    ``optimizer.step(closure)``, so MemTracker would file activations under optimizer state
+    (the per-category split is given by :mod:`remat.estimate`). On CPU with the ``compile``
+    strategy nothing is measured (MemTracker and torch.compile cannot run together):
+    ``peak_bytes`` stays ``None`` and ``skipped_reason`` says why.
+
+    Raises:
+        ValueError: ``track_steps < 0``.
+    """
+
+    def __init__(self, track_steps: int = 2) -> None:
+        if track_steps < 0:
+            raise ValueError(f"PeakMemoryMonitor: track_steps must be >= 0, got {track_steps}")
+        self.track_steps = track_steps
+        self.peak_bytes: int | None = None
+        self.reserved_bytes: int | None = None
+        self.step_peaks: list[int] = []
+        self.epoch_peaks: list[int | None] = []
+        self.batches: list[dict[str, int | bool]] = []
+        self.steps_done = 0
+        self.skipped_reason: str | None = None
+        self.history: list[dict[str, Any]] = []
+        self._current: PeakMemory | None = None
+        self._epoch_peak: int | None = None
+        self._step_before = 0
+
+    def is_tracking(self) -> bool:
+        """Whether the current (or next) training batch is one this monitor measures."""
+        return self._current is not None or (self.steps_done < self.track_steps
+                                             and self.skipped_reason is None)
+
+    def measured(self) -> dict[str, Any]:
+        """Which batches were measured: ``batches`` (count), ``optimizer_steps`` (the
+        global steps completed by them), ``first``/``last`` (``[epoch, batch_idx]``),
+        ``batch_peaks_bytes`` (each batch's peak, in order); ``previous_runs`` holds what
+        earlier runs of a resumed training measured (``peak_bytes``, ``optimizer_steps``)."""
+        steps = [int(b["global_step"]) for b in self.batches if b["optimizer_step"]]
+        return {
+            "batches": len(self.batches),
+            "optimizer_steps": steps,
+            "first": [self.batches[0]["epoch"], self.batches[0]["batch_idx"]]
+            if self.batches else None,
+            "last": [self.batches[-1]["epoch"], self.batches[-1]["batch_idx"]]
+            if self.batches else None,
+            "batch_peaks_bytes": list(self.step_peaks),
+            "previous_runs": list(self.history),
+        }
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_peak = None
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        self._step_before = trainer.global_step
+        if not self.is_tracking():
+            return
+        strategy = getattr(pl_module, "strategy", None)
+        if pl_module.device.type != "cuda" and not getattr(strategy, "measurable_on_cpu", True):
+            # e.g. torch.compile refuses to trace while MemTracker's dispatch mode is active
+            self.skipped_reason = ("not measured: the CPU tracker (MemTracker) cannot run "
+                                   "while torch.compile traces the compiled stages")
+            return
+        self._current = PeakMemory(pl_module.device, modules=[pl_module],
+                                   optimizers=trainer.optimizers, split=False)
+        self._current.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        if pl_module.device.type == "cuda":  # peak since the last reset (epoch or step)
+            allocated = int(torch.cuda.max_memory_allocated(pl_module.device))
+            self._epoch_peak = max(self._epoch_peak or 0, allocated)
+        if self._current is None:
+            return
+        self._current.__exit__(None, None, None)
+        peak, self._current = self._current, None
+        stepped = trainer.global_step != self._step_before
+        self.steps_done += int(stepped)
+        self.batches.append({"epoch": trainer.current_epoch, "batch_idx": batch_idx,
+                             "global_step": trainer.global_step, "optimizer_step": stepped})
+        self.step_peaks.append(int(peak.peak_bytes))
+        self._epoch_peak = max(self._epoch_peak or 0, int(peak.peak_bytes))
+        if peak.reserved_bytes is not None:
+            self.reserved_bytes = max(self.reserved_bytes or 0, peak.reserved_bytes)
+        if self.peak_bytes is None or peak.peak_bytes > self.peak_bytes:
+            self.peak_bytes = peak.peak_bytes
+        pl_module.log("mem/step_peak_bytes", float(peak.peak_bytes), on_step=True,
+                      on_epoch=False, batch_size=1)
+        if self.steps_done == self.track_steps and stepped:
+            pl_module.log("mem/peak_bytes", float(self.peak_bytes), on_step=True,
+                          on_epoch=False, batch_size=1)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epoch_peaks.append(self._epoch_peak)
+        if self._epoch_peak is not None:
+            pl_module.log("mem/epoch_peak_bytes", float(self._epoch_peak), on_step=False,
+                          on_epoch=True, batch_size=1)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        if self._current is not None:
+            self._current.__exit__(type(exception), exception, None)
+            self._current = None
+
+    def state_dict(self) -> dict[str, Any]:
+        runs = list(self.history)
+        if self.batches:
+            runs.append({"peak_bytes": self.peak_bytes,
+                         "optimizer_steps": self.measured()["optimizer_steps"]})
+        return {"epoch_peaks": list(self.epoch_peaks), "history": runs}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # a resumed run measures its own steps; only the record of earlier runs is kept
+        self.epoch_peaks = list(state_dict.get("epoch_peaks", []))
+        self.history = list(state_dict.get("history", []))

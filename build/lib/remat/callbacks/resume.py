@@ -1,0 +1,212 @@
+"""What Lightning does not restore on resume: the global RNG, and the train loader's shuffle
+order and position inside the epoch.
+
+Lightning restores weights, optimizer, schedulers and loop counters from a checkpoint, and a
+train loader's position only when the loader implements ``state_dict``/``load_state_dict``
+(e.g. torchdata's ``StatefulDataLoader``), and then only for a checkpoint taken inside an
+epoch. A plain ``DataLoader`` with ``shuffle=True`` restarts its generator, so the first
+epoch after a resume replays epoch 0's order, and the global RNG (dropout masks, random
+crops drawn in the main process) starts from the seed again. :class:`ResumeState` keeps both in
+the checkpoint (its callback state) and puts them back.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Sampler
+
+log = logging.getLogger(__name__)
+
+
+def rng_state() -> dict[str, Any]:
+    """The global RNG states (torch CPU and CUDA, numpy, Python ``random``) as tensors and
+    ints only, so the checkpoint loads with ``torch.load(weights_only=True)``."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+        "python": {"version": int(version), "state": list(internal), "gauss": gauss},
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back what :func:`rng_state` returned (CUDA states only where CUDA is present and
+    the device count matches)."""
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+
+
+class _ResumableSampler(Sampler):
+    """Wraps the sampler inside a train loader's ``BatchSampler``: at the start of each pass
+    it records the loader generator's state (before the epoch permutation is drawn from it)
+    or, once after a resume, sets that state back and leaves out the indices of the batches
+    already trained. ``len`` is the full length, as Lightning expects of a resumed loader."""
+
+    def __init__(self, inner: Any, generator: torch.Generator | None) -> None:
+        self.inner = inner
+        self.generator = generator
+        self.epoch_start: torch.Tensor | None = None
+        self.resume: tuple[torch.Tensor | None, int] | None = None
+        self.start: tuple[torch.Tensor | None, dict[str, Any] | None] | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        skip = 0
+        if self.start is not None:  # first pass after a resume between epochs
+            (state, rng), self.start = self.start, None
+            if state is not None and self.generator is not None:
+                self.generator.set_state(state)
+            if rng is not None:
+                set_rng_state(rng)
+        if self.resume is not None:
+            (state, skip), self.resume = self.resume, None
+            if state is not None and self.generator is not None:
+                self.generator.set_state(state)
+        self.epoch_start = self.generator.get_state() if self.generator is not None else None
+        return itertools.islice(iter(self.inner), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+class ResumeState(L.Callback):
+    """Saves the global RNG and the train loader's state with every checkpoint and restores
+    them on resume, so an interrupted and resumed run sees the same batches in the same order
+    and draws the same random numbers as an uninterrupted run with the same seed.
+
+    Loader state: inside an epoch, the state of the loader's ``generator`` (the one its
+    ``RandomSampler`` draws the epoch permutation from) when the epoch's pass began, and how
+    many batches of the epoch were trained (Lightning's batch progress); at an epoch's end,
+    the generator's state for the next epoch. On resume the generator is set back and the
+    batches already trained are skipped as sampler indices (no sample is loaded). The global
+    RNG is restored at the point the checkpoint was taken: before the next epoch's iterator
+    is created (checkpoint between epochs), or when training starts, after that iterator
+    exists and before the first batch is fetched (checkpoint inside an epoch); Lightning runs
+    the sanity check with an isolated RNG.
+
+    Exact for loaders without workers (``data.num_workers=0``). With workers, the order and
+    position are restored, but not the RNG inside persistent workers, nor (for a resume
+    inside an epoch) the worker seeds of that epoch. Needs a datamodule
+    (``trainer.fit(datamodule=...)``) whose train loader has a ``BatchSampler``: its
+    ``train_dataloader`` is wrapped for the fit and unwrapped after.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+        self._rng: dict[str, Any] | None = None
+        self._trainer: L.Trainer | None = None
+        self._sampler: _ResumableSampler | None = None
+        self._original = None
+
+    # --- wrapping the datamodule's train_dataloader ----------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        dm = trainer.datamodule
+        if stage != "fit" or dm is None or self._original is not None:
+            return
+        original = dm.train_dataloader
+
+        @functools.wraps(original)
+        def train_dataloader() -> Any:
+            loader = original()
+            self._prepare(loader)
+            return loader
+
+        self._original = original
+        dm.train_dataloader = train_dataloader
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._original is not None and trainer.datamodule is not None:
+            trainer.datamodule.__dict__.pop("train_dataloader", None)
+        self._original = None
+
+    def _prepare(self, loader: Any) -> None:
+        """Called with a new train loader, before Lightning creates its iterator."""
+        pending, self._pending = self._pending, None
+        generator = getattr(loader, "generator", None)
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(loader, DataLoader) or not hasattr(batch_sampler, "sampler"):
+            self._sampler = None
+            if pending and pending.get("batches"):
+                rank_zero_warn("ResumeState: the train loader has no BatchSampler; the "
+                               "resumed epoch starts over instead of skipping the "
+                               f"{pending['batches']} batches already trained")
+            return
+        inner = batch_sampler.sampler
+        if not isinstance(inner, _ResumableSampler):
+            own = getattr(inner, "generator", None)  # RandomSampler(generator=...)
+            inner = batch_sampler.sampler = _ResumableSampler(
+                inner, own if isinstance(own, torch.Generator) else generator)
+        self._sampler = inner
+        if pending is None:
+            return
+        if pending.get("batches"):
+            inner.resume = (pending.get("generator"), pending["batches"] * batch_sampler.batch_size)
+            log.info("resume: skipping the %d batches of this epoch trained before the "
+                     "checkpoint", pending["batches"])
+            return
+        # between epochs: what the uninterrupted run does next is create the next epoch's
+        # iterator, which may draw its base seed from the global RNG (a loader without a
+        # generator): restore both before Lightning does that
+        if pending.get("generator") is not None and inner.generator is not None:
+            inner.generator.set_state(pending["generator"])
+        if self._rng is not None:
+            set_rng_state(self._rng)
+            self._rng = None
+        self._between_epochs = True
+
+    _between_epochs = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._rng is not None:
+            set_rng_state(self._rng)
+            self._rng = None
+        if self._between_epochs and self._sampler is not None:
+            # Resuming from a checkpoint taken after an epoch's last batch but before the
+            # epoch ended (e.g. at its validation), Lightning makes an iterator here that it
+            # never reads, then another for the next epoch: the states as they are now,
+            # after the first iterator was made, are the ones the next pass must start from
+            self._between_epochs = False
+            generator = self._sampler.generator
+            self._sampler.start = (generator.get_state() if generator is not None else None,
+                                   rng_state())
+
+    # --- checkpoint state ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rng": rng_state()}
+        trainer, sampler = self._trainer, self._sampler
+        if trainer is None or sampler is None:
+            return state
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        served = int(progress.current.ready)
+        if progress.is_last_batch or served >= trainer.num_training_batches or served == 0:
+            # between epochs: the next epoch's pass starts from the generator as it is now
+            generator = sampler.generator
+            state["loader"] = {"generator": generator.get_state() if generator is not None
+                               else None, "batches": 0}
+        else:
+            state["loader"] = {"generator": sampler.epoch_start, "batches": served}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._rng = state_dict.get("rng")
+        self._pending = state_dict.get("loader")

@@ -1,0 +1,139 @@
+"""One folder per run: a lock that two live runs cannot both hold, taken before anything is
+written into the folder.
+
+:func:`claim_run_dir` takes an exclusive ``flock`` on ``<folder>/.lock`` (released by the
+kernel when the process ends, however it ends, so a killed run never leaves a stale lock).
+:class:`RunDirLock` is a Hydra callback that claims ``hydra.run.dir`` in ``on_run_start``
+and ``hydra.sweep.dir`` in ``on_multirun_start``, before Hydra writes ``.hydra/`` or a log
+file there; :func:`remat.train.train` claims its output folder too (the same process may
+claim a folder again). Resuming into a folder whose run has ended is allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, folders stay unguarded
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+_held: dict[str, list[int]] = {}  # resolved folder -> [fd, claims]
+
+
+class RunDirInUse(RuntimeError):
+    """The output folder is held by another live run (the message names it and the
+    holder's pid and host)."""
+
+
+def claim_run_dir(path: str | Path) -> Path:
+    """Claim ``path`` for this process: create it if needed and lock ``path/.lock``.
+
+    Returns the resolved folder. Claims by the same process are counted (release as often).
+
+    Raises:
+        RunDirInUse: another live process holds the folder; nothing was written into it.
+    """
+    folder = Path(path).resolve()
+    key = str(folder)
+    if key in _held:
+        _held[key][1] += 1
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:  # pragma: no cover
+        _held[key] = [-1, 1]
+        return folder
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown process"
+        os.close(fd)
+        raise RunDirInUse(
+            f"output folder {folder} is in use by another run ({holder}); runs never share a "
+            "folder: wait for it to end, or pick another hydra.run.dir / hydra.sweep.dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    _held[key] = [fd, 1]
+    return folder
+
+
+def release_run_dir(path: str | Path) -> None:
+    """Undo one :func:`claim_run_dir`; the lock goes with the last claim (the ``.lock`` file
+    stays, unlocked)."""
+    key = str(Path(path).resolve())
+    entry = _held.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] <= 0:
+        del _held[key]
+        if entry[0] >= 0:
+            os.close(entry[0])
+
+
+@contextmanager
+def run_dir_claimed(path: str | Path) -> Iterator[Path]:
+    """:func:`claim_run_dir` for the duration of a ``with`` block."""
+    folder = claim_run_dir(path)
+    try:
+        yield folder
+    finally:
+        release_run_dir(folder)
+
+
+def _dir(config: DictConfig, key: str) -> str | None:
+    value = OmegaConf.select(config, key, default=None)
+    return str(value) if value else None
+
+
+def _claim_or_exit(path: str | None) -> None:
+    """Claim ``path``; Hydra turns a callback's ``Exception`` into a warning and goes on, so a
+    folder in use ends the process here (``SystemExit`` with the message, exit code 1)."""
+    if path is None:
+        return
+    try:
+        claim_run_dir(path)
+    except RunDirInUse as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+class RunDirLock(Callback):
+    """Hydra callback: claims the run folder (``on_run_start``), the sweep folder
+    (``on_multirun_start``) and each job's folder (``on_job_start``) with
+    :func:`claim_run_dir`, and releases them at the matching end. A folder in use makes the
+    run fail before Hydra writes anything into it (exit code 1, the message names it)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _claim_or_exit(_dir(config, "hydra.run.dir"))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if (path := _dir(config, "hydra.run.dir")) is not None:
+            release_run_dir(path)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _claim_or_exit(_dir(config, "hydra.sweep.dir"))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if (path := _dir(config, "hydra.sweep.dir")) is not None:
+            release_run_dir(path)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _claim_or_exit(_dir(config, "hydra.runtime.output_dir"))
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        if (path := _dir(config, "hydra.runtime.output_dir")) is not None:
+            release_run_dir(path)

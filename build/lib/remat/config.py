@@ -1,0 +1,88 @@
+"""Where the Hydra config tree lives, and checks of the top-level ablation keys."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from remat.run_shape import PRECISIONS, check_precision
+
+__all__ = ["PRECISIONS", "check_top_level", "config_dir", "per_step_batch", "run_id"]
+
+
+def config_dir() -> Path:
+    """The Hydra config tree: ``$REMAT_CONFIG_DIR`` if set, else the one shipped inside the
+    package (``remat/configs/``, so a non-editable ``pip install`` finds it too).
+
+    Raises:
+        FileNotFoundError: the folder holds no ``train.yaml`` (a wrong ``REMAT_CONFIG_DIR``,
+            or an install that left the package data out).
+    """
+    env = os.environ.get("REMAT_CONFIG_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parent / "configs"
+    if not (path / "train.yaml").is_file():
+        raise FileNotFoundError(
+            f"remat config tree not found at {path} (expected train.yaml there); "
+            + ("REMAT_CONFIG_DIR points elsewhere" if env else
+               "reinstall remat (pip install remat, or pip install -e . from its repository)")
+        )
+    return path
+
+
+def check_top_level(cfg: DictConfig) -> None:
+    """Validate ``seed``, ``precision`` and ``accumulate_grad_batches`` before anything is
+    built.
+
+    Raises:
+        ValueError: ``seed`` not an integer (or null); precision not one of
+            :data:`PRECISIONS`; ``accumulate_grad_batches`` not an int >= 1;
+            ``16-mixed`` asked for without a CUDA device.
+    """
+    seed = cfg.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an integer (or null for a random seed), got {seed!r}")
+    accelerator = str(cfg.get("trainer", {}).get("accelerator", "auto"))
+    check_precision(cfg.get("precision"), accelerator)
+    acc = cfg.get("accumulate_grad_batches")
+    if isinstance(acc, bool) or not isinstance(acc, int) or acc < 1:
+        raise ValueError(
+            f"accumulate_grad_batches must be an integer >= 1 (batches per optimizer step), "
+            f"got {acc!r}"
+        )
+
+
+def per_step_batch(effective: int, accumulation: int) -> int:
+    """``data.batch_size`` for an effective batch of ``effective`` samples per optimizer step
+    with ``accumulation`` batches per step (the ``remat.batch_for`` resolver of
+    ``configs/sweep/ablation.yaml``).
+
+    Raises:
+        ValueError: ``effective`` not divisible by ``accumulation`` (names both keys).
+    """
+    effective, accumulation = int(effective), int(accumulation)
+    if accumulation < 1 or effective % accumulation:
+        raise ValueError(f"effective_batch_size={effective} is not divisible by "
+                         f"accumulate_grad_batches={accumulation}; pick values whose product "
+                         "with data.batch_size is the effective batch")
+    return effective // accumulation
+
+
+def run_id() -> str:
+    """A short id that makes a run folder unique: ``$SLURM_JOB_ID`` (with
+    ``_$SLURM_ARRAY_TASK_ID`` for array jobs) under SLURM, else 6 random hex digits. The
+    ``remat.run_id`` resolver of ``configs/hydra/default.yaml`` caches it, so one config
+    gets one id."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        task = os.environ.get("SLURM_ARRAY_TASK_ID")
+        return f"{os.environ.get('SLURM_ARRAY_JOB_ID', job)}_{task}" if task else job
+    return secrets.token_hex(3)
+
+
+if not OmegaConf.has_resolver("remat.batch_for"):
+    OmegaConf.register_new_resolver("remat.batch_for", per_step_batch)
+if not OmegaConf.has_resolver("remat.run_id"):
+    OmegaConf.register_new_resolver("remat.run_id", run_id, use_cache=True)

@@ -1,0 +1,277 @@
+"""Peak memory of one training step predicted without allocating it (no GPU needed).
+
+``python -m remat.estimate model=unet_resnet34 data.image_size=2048 data.batch_size=8
+strategy=sqrtn precision=bf16-mixed`` builds the configured model, strategy and optimizer
+under torch's ``FakeTensorMode`` (tensors carry shape, dtype and device but no data, so
+nothing is allocated) and runs two training steps in Lightning's order (forward, loss,
+zero_grad, backward, optimizer step; the second step has the optimizer state and the
+previous gradients allocated, the peak of the two is reported) inside ``MemTracker``
+(``torch.distributed._tools.mem_tracker``), which adds up tensor
+storages as they are created and freed and keeps the peak, split into parameters,
+buffers, gradients, optimizer state, activations and temporaries. It takes seconds on a CPU
+for sizes that would need tens of GiB.
+
+What it predicts: the tensor-level peak, i.e. what ``MemTracker`` measures on a real run of
+the same step (``tests/test_estimate.py`` checks it within 10% for every traceable strategy
+at two sizes). On CUDA the allocator peak (``max_memory_allocated``) adds the CUDA kernels'
+workspaces and rounding to 512-byte blocks; ``max_memory_reserved`` adds fragmentation.
+
+Device: ``device=auto`` estimates for CUDA when a CUDA driver is present; without one it
+estimates for the CPU and says so, because torch's autograd engine needs a CUDA context to
+run a backward over (fake) CUDA tensors ("hasPrimaryContext expects a valid device index").
+Kernel choices differ between devices (e.g. SDPA's flash kernel on CUDA against the math
+path on CPU), so a CPU estimate of a CUDA run is an approximation.
+
+Strategies that cannot be traced this way: ``compile`` (dynamo does not compile while a
+``TorchDispatchMode`` such as MemTracker is active, so the trace would be of the eager model,
+not of what the partitioner keeps); the estimator raises :class:`NotTraceable` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
+from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
+
+from remat import run_shape
+from remat.config import config_dir
+from remat.measure import format_bytes
+from remat.measure.trace import (  # noqa: F401 - part of this module's interface
+    Estimate,
+    _batch,
+    _data_dependent,
+    _optimizer,
+    materialize,
+    meta_clone,
+    trace_step,
+)
+
+log = logging.getLogger(__name__)
+
+INT64_MAX = 2**63 - 1
+
+
+class NotTraceable(RuntimeError):
+    """The configured strategy cannot be estimated under ``FakeTensorMode`` (the message says
+    why); no number is given rather than a wrong one."""
+
+
+def _cuda_note() -> str:
+    return ("CPU: no CUDA driver here, and torch's autograd engine cannot run a backward over "
+            "fake CUDA tensors without one; the CPU trace counts the same tensors except "
+            "where CUDA picks other kernels (e.g. SDPA flash attention)")
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> ``cuda`` when a CUDA driver is present, else ``cpu``; others as given
+    (:func:`remat.run_shape.resolve_device`).
+
+    Raises:
+        ValueError: ``device=cuda`` asked for on a machine without CUDA (the message says
+            why fake CUDA tensors cannot stand in).
+    """
+    try:
+        return run_shape.resolve_device(device)
+    except ValueError as err:
+        if "CUDA" not in str(err):
+            raise ValueError(f"estimate {err}") from err
+        raise ValueError(f"estimate device={device}: {_cuda_note()}; use device=cpu or "
+                         "auto") from err
+
+
+def check_sizes(batch_size: Any, size: Any, size_key: str, channels: int = 1
+                ) -> tuple[int, int | tuple[int, int]]:
+    """Validate ``data.batch_size`` and the size key; the input tensor must fit int64.
+
+    Args:
+        batch_size, size: the config values; ``size`` is an image side (px), an image size
+            ``[h, w]`` (px; see :func:`remat.run_shape.normalize_size`) or a sequence length
+            (tokens), named by ``size_key`` (e.g. ``data.image_size``).
+        channels: input channels (images: ``h * w`` pixels each).
+
+    Returns:
+        ``(batch_size, size)``, a ``[h, w]`` size as a tuple (a square one as an int).
+
+    Raises:
+        ValueError: not an integer >= 1 (or a pair of them for image sizes), or the input's
+            element count overflows int64; the message names the key.
+    """
+    try:
+        batch_size = run_shape.normalize_size(batch_size, "data.batch_size")
+        size = run_shape.normalize_size(size, size_key)
+    except ValueError as err:
+        raise ValueError(f"estimate: {err}") from err
+    numel = batch_size * channels * run_shape.size_elements(size)
+    if numel > INT64_MAX:
+        raise ValueError(f"estimate: {size_key}={size} with data.batch_size={batch_size} "
+                         f"gives an input of {numel:.3e} elements, more than int64 can index "
+                         f"({INT64_MAX:.3e}); use a smaller {size_key}")
+    return batch_size, size
+
+
+def build_from_config(cfg: DictConfig
+                      ) -> tuple[Callable[[], nn.Module], str, int, int | tuple[int, int]]:
+    """Check the config and return ``(build, size_key, batch_size, size)``; ``build()``
+    instantiates ``cfg.strategy`` and ``cfg.model`` (scheduler dropped: one step).
+
+    Raises:
+        ValueError: bad sizes (naming the key) or precision.
+    """
+    size_key = run_shape.size_key_of(cfg.data, cfg.model)
+    if size_key is None:
+        raise ValueError("estimate: no input size: set data.image_size or data.patch_size "
+                         "(image models, px) or data.block_size (sequence models, tokens)")
+    size = OmegaConf.select(cfg, size_key)
+    channels = int(cfg.model.get("in_channels", 1) or 1)
+    batch_size, size = check_sizes(cfg.data.get("batch_size"), size, size_key, channels)
+    if str(cfg.precision) not in run_shape.TRACED_PRECISIONS:
+        raise ValueError(f"estimate: precision={str(cfg.precision)!r}; use "
+                         f"{', '.join(run_shape.TRACED_PRECISIONS)}")
+    model_cfg = cfg.model.copy()
+    with open_dict(model_cfg):
+        model_cfg.scheduler = None  # one step; its ${trainer...} interpolations need no trainer
+        if "block_size" in model_cfg and isinstance(size, int) and size > int(
+                model_cfg.block_size):
+            model_cfg.block_size = size  # positions must cover the sequence
+
+    for group, node in (("strategy", cfg.strategy), ("model", model_cfg)):
+        try:  # import here, once: the traces run in forked children, which would re-import
+            get_class(str(node._target_))
+        except Exception as err:
+            raise ValueError(f"estimate: config group '{group}' failed to build: _target_ "
+                             f"{node.get('_target_')!r} cannot be imported ({err})") from err
+
+    def build() -> nn.Module:
+        try:
+            strategy = instantiate(cfg.strategy)
+        except InstantiationException as err:
+            raise ValueError(f"estimate: config group 'strategy' failed to build "
+                             f"({cfg.strategy.get('_target_')}): {err}") from err
+        try:
+            return instantiate(model_cfg, strategy=strategy)
+        except InstantiationException as err:
+            raise ValueError(f"estimate: config group 'model' failed to build "
+                             f"({model_cfg.get('_target_')}): {err}") from err
+
+    return build, size_key, batch_size, size
+
+
+def _untraceable_strategy(cfg: DictConfig) -> str | None:
+    """The configured strategy's name if it says it cannot be traced (``traceable``), else
+    ``None`` (a config that does not build is left to the trace, which reports it)."""
+    try:
+        strategy = instantiate(cfg.strategy)
+    except Exception:  # noqa: BLE001 - the trace reports a broken strategy config
+        return None
+    return None if getattr(strategy, "traceable", True) else strategy.name
+
+
+def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
+    """Estimate the peak memory of one training step of the configured run.
+
+    Args:
+        cfg: composed ``estimate.yaml`` (``model``, ``data``, ``strategy``, ``precision``,
+            ``device``).
+        fake: ``False`` runs the same step for real (what the estimate is checked against).
+
+    Raises:
+        ValueError: bad sizes, precision, device, or a config group that fails to build
+            (naming the group and its ``_target_``).
+        NotTraceable: the strategy cannot be traced under ``FakeTensorMode`` (``compile``),
+            or the trace failed inside the strategy.
+    """
+    build, size_key, batch_size, size = build_from_config(cfg)
+    device = resolve_device(str(cfg.get("device", "auto")))
+    precision = str(cfg.precision)
+    target = str(cfg.strategy.get("_target_", ""))
+    name = _untraceable_strategy(cfg) if fake else None
+    if name is not None:
+        raise NotTraceable(
+            f"estimate: strategy '{name}' cannot be estimated: its work happens in compiled "
+            "code, and torch.compile does not compile while MemTracker's dispatch mode is "
+            "active, so a trace would show the eager model rather than what the compiler's "
+            "partitioner keeps. Measure it on the device instead (python -m remat.bench ... "
+            "'strategies=[none,compile]')")
+    accumulate = run_shape.normalize_size(cfg.get("accumulate_grad_batches", 1),
+                                          "accumulate_grad_batches")
+    start = time.perf_counter()
+    try:
+        strategy, peak = trace_step(build, batch_size, size, device, precision, fake,
+                                    accumulate_grad_batches=accumulate)
+    except RuntimeError as err:
+        if "overflow" in str(err).lower():
+            raise ValueError(f"estimate: {size_key}={size} with data.batch_size={batch_size} "
+                             f"overflows int64 inside the model ({err}); use a smaller "
+                             f"{size_key}") from err
+        if fake:
+            raise NotTraceable(f"estimate: strategy {target.rsplit('.', 1)[-1]} could not be "
+                               f"traced under FakeTensorMode: {type(err).__name__}: "
+                               f"{err}") from err
+        raise
+    seconds = time.perf_counter() - start
+    fell_back = fake and device.type == "cpu" and str(cfg.get("device", "auto")) == "auto"
+    note = f"tensor-level peak on {device.type}" + (f" ({_cuda_note()})" if fell_back else "")
+    return Estimate(strategy=strategy, precision=precision,
+                    device=device.type, batch_size=batch_size, size=size, size_key=size_key,
+                    peak_bytes=int(peak.peak_bytes), categories=peak.categories,
+                    seconds=seconds, fake=fake, note=note, accumulate_grad_batches=accumulate)
+
+
+def format_estimate(est: Estimate) -> str:
+    """Plain-text table of an :class:`Estimate`: one line per category, MiB/GiB."""
+    kind = "predicted" if est.fake else "measured"
+    lines = [f"{kind} peak of one training step: strategy {est.strategy}, {est.precision}, "
+             f"batch {est.batch_size}, {est.size_key}={est.size}, "
+             + (f"accumulate_grad_batches={est.accumulate_grad_batches}, "
+                if est.accumulate_grad_batches > 1 else "")
+             + f"device {est.device} ({est.seconds:.1f} s)"]
+    for name, value in est.categories.items():
+        if name != "total":
+            lines.append(f"  {name:<16}{format_bytes(value):>12}")
+    lines.append(f"  {'total':<16}{format_bytes(est.peak_bytes):>12}")
+    lines.append(f"  note: {est.note}")
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> Estimate:
+    """Estimate, print the table and write ``estimate.json`` (the estimate's fields and the
+    composed ``model``/``data``/``strategy``/``precision``/``device`` config) into
+    ``cfg.paths.output_dir``."""
+    est = estimate(cfg)
+    print(format_estimate(est))
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    keep = {k: cfg[k] for k in ("model", "data", "strategy", "precision",
+                                "accumulate_grad_batches", "device") if k in cfg}
+    record = asdict(est) | {"config": OmegaConf.to_container(OmegaConf.create(keep),
+                                                              resolve=False)}
+    (out / "estimate.json").write_text(json.dumps(record, indent=2, default=str))
+    return est
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="estimate")
+def main(cfg: DictConfig) -> None:
+    """Hydra app around :func:`run`; a strategy that cannot be traced exits with code 2 and
+    the reason, instead of a number."""
+    try:
+        run(cfg)
+    except NotTraceable as err:
+        print(str(err), file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Measurement shared by callbacks, benchmarks and tests (no Lightning imports here)."""
+
+from remat.measure.memory import CATEGORIES, PeakMemory, device_name, format_bytes
+from remat.measure.parity import TOLERANCES, GradientParity, compare_gradients, gradients_of
+from remat.measure.step import autocast, step_peak_memory, training_step
+from remat.measure.timing import StepTimer, synchronize
+
+__all__ = [
+    "CATEGORIES",
+    "TOLERANCES",
+    "GradientParity",
+    "PeakMemory",
+    "StepTimer",
+    "autocast",
+    "compare_gradients",
+    "device_name",
+    "format_bytes",
+    "gradients_of",
+    "step_peak_memory",
+    "synchronize",
+    "training_step",
+]

@@ -1,0 +1,138 @@
+"""Peak memory of a block of work: exact on CPU (MemTracker), allocator peak on CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+
+# MemTracker's category names (torch/distributed/_tools/mem_tracker.py, ``_MemRefType``)
+# -> the names remat reports them under.
+CATEGORIES = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "other",
+}
+
+
+class PeakMemory:
+    """Context manager that measures the peak memory of the work inside it, in bytes.
+
+    On CUDA it uses ``torch.cuda.reset_peak_memory_stats`` and
+    ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (allocator level, every
+    tensor on the device; reserved adds the caching allocator's unused blocks). On CPU, and
+    for fake tensors (``FakeTensorMode``, see :mod:`remat.estimate`), it uses
+    ``torch.distributed._tools.mem_tracker.MemTracker``, which counts tensor storages exactly
+    and splits the peak into parameters, buffers, gradients, optimizer state, activations
+    and temporaries (measure one training step per tracker).
+
+    The split is only right when the optimizer step runs *after* backward, outside
+    ``optimizer.step``: MemTracker files every tensor created while an optimizer step is
+    running as optimizer state, so with a closure (``optimizer.step(closure)``, as Lightning
+    runs forward and backward) activations land there too. Pass ``split=False`` for such
+    work; only the total is then reported.
+
+    Args:
+        device: where the work runs.
+        modules: models whose parameters and buffers MemTracker should attribute (CPU only).
+        optimizers: optimizers whose state MemTracker should attribute (CPU only).
+        split: whether the per-category split is meaningful (see above).
+        tracker: ``"auto"`` (MemTracker on CPU, allocator on CUDA) or ``"memtracker"``
+            (MemTracker on any device; needed for fake tensors, which the allocator never sees).
+
+    After the block: ``peak_bytes`` (int), ``reserved_bytes`` (CUDA allocator only, else
+    ``None``), ``breakdown`` (MemTracker name -> bytes at the peak, ``{"Total": ...}`` on
+    CUDA) and :attr:`categories`.
+
+    Raises:
+        ValueError: unknown ``tracker``.
+    """
+
+    def __init__(self, device: torch.device | str, modules: Iterable[nn.Module] = (),
+                 optimizers: Iterable[torch.optim.Optimizer] = (), split: bool = True,
+                 tracker: str = "auto") -> None:
+        if tracker not in ("auto", "memtracker"):
+            raise ValueError(f"PeakMemory: tracker must be 'auto' or 'memtracker', got "
+                             f"{tracker!r}")
+        self.device = torch.device(device)
+        self.modules = list(modules)
+        self.optimizers = list(optimizers)
+        self.split = split
+        self.use_allocator = tracker == "auto" and self.device.type == "cuda"
+        self.peak_bytes: int | None = None
+        self.reserved_bytes: int | None = None
+        self.breakdown: dict[str, int] = {}
+        self._stack = ExitStack()
+        self._tracker = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.use_allocator:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self._tracker = MemTracker()
+            self._tracker.track_external(*self.modules, *self.optimizers)
+            self._stack.enter_context(self._tracker)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.use_allocator:
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            self.reserved_bytes = int(torch.cuda.max_memory_reserved(self.device))
+            self.breakdown = {"Total": self.peak_bytes}
+            return
+        self._stack.close()
+        snapshot = self._tracker.get_tracker_snapshot("peak")
+        totals: dict[str, int] = {}
+        for per_device in snapshot.values():
+            for key, value in per_device.items():
+                name = str(getattr(key, "value", key))  # plain str: checkpoints load weights_only
+                totals[name] = totals.get(name, 0) + int(value)
+        self.breakdown = totals
+        self.peak_bytes = totals.get("Total", 0)
+        self._tracker = None
+
+    @property
+    def categories(self) -> dict[str, int]:
+        """Bytes at the peak per category (``parameters``, ``buffers``, ``gradients``,
+        ``optimizer_state``, ``activations``, ``temporaries``, ``other``) plus ``total``;
+        only ``total`` when the split is not available (CUDA allocator, or ``split=False``)."""
+        if self.peak_bytes is None:
+            return {}
+        if self.use_allocator or not self.split:
+            return {"total": self.peak_bytes}
+        out = {CATEGORIES.get(k, k.lower()): v for k, v in self.breakdown.items()
+               if k != "Total"}
+        out["total"] = self.peak_bytes
+        return out
+
+
+def format_bytes(num_bytes: int | None) -> str:
+    """Human-readable binary size: ``1536`` -> ``'1.5 KiB'``; ``None`` -> ``'n/a'``."""
+    if num_bytes is None:
+        return "n/a"
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover
+
+
+def device_name(device: torch.device | str) -> str:
+    """Name of the device for result records (GPU model, or the CPU's architecture)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

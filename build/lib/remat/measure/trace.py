@@ -1,0 +1,259 @@
+"""Peak memory of training steps traced without allocating: the model, its optimizer state
+and the batch as fake tensors (torch's ``FakeTensorMode``) under ``MemTracker``.
+
+Used by ``python -m remat.estimate`` and by the estimate logged at training start
+(:class:`remat.callbacks.RunReport`). Models are duck-typed: ``configure_optimizers()``,
+``example_batch(batch_size, size)``, ``training_loss(batch)`` and ``strategy_report``
+(as :class:`remat.models.base.StrategyModule` provides). No Lightning imports here.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import pickle
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
+
+from remat.measure.memory import PeakMemory
+from remat.measure.step import autocast, lightning_micro_steps
+
+
+@dataclass
+class Estimate:
+    """Predicted (or, with ``fake=False``, measured) peak of one training step.
+
+    ``peak_bytes`` and ``categories`` (``parameters``, ``buffers``, ``gradients``,
+    ``optimizer_state``, ``activations``, ``temporaries``, ``other``, ``total``) in bytes,
+    ``seconds`` wall time of the trace, ``device`` the device type estimated for, ``note``
+    what the number means there, ``accumulate_grad_batches`` the batches per optimizer step
+    traced.
+    """
+
+    strategy: str
+    precision: str
+    device: str
+    batch_size: int
+    size: int | tuple[int, int]
+    size_key: str
+    peak_bytes: int
+    categories: dict[str, int]
+    seconds: float
+    fake: bool = True
+    note: str = ""
+    accumulate_grad_batches: int = 1
+    torch_version: str = field(default_factory=lambda: torch.__version__)
+
+
+def _optimizer(module: nn.Module) -> torch.optim.Optimizer:
+    configured = module.configure_optimizers()
+    if isinstance(configured, dict):
+        configured = configured["optimizer"]
+    if isinstance(configured, list | tuple):
+        configured = configured[0]
+    return configured
+
+
+def _data_dependent(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is FakeTensorMode refusing a
+    data-dependent op (e.g. timm's ``trunc_normal_`` init calling ``.item()``)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if "DataDependentOutput" in type(err).__name__ or "DataDependentOutput" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def meta_clone(module: nn.Module, drop: tuple[Any, ...] = ()) -> nn.Module:
+    """A structural copy of ``module`` (wrappers, strategy, tied weights kept) whose
+    parameters and buffers are on the ``meta`` device, so copying allocates nothing.
+
+    ``drop``: objects referenced by the module that must not be copied (e.g. its Lightning
+    trainer); the copy refers to ``None`` instead. Turn the copy into fake tensors with
+    :func:`materialize` inside ``FakeTensorMode``.
+    """
+    memo: dict[int, Any] = {id(obj): None for obj in drop}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, nn.Parameter) else meta)
+    return copy.deepcopy(module, memo)
+
+
+def materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """Replace every parameter and buffer of ``module`` (e.g. ``meta`` ones) in place by an
+    uninitialised tensor of the same shape and dtype on ``device``; inside
+    ``FakeTensorMode`` these are fake tensors. Shared (tied) tensors stay shared.
+    Returns ``module``."""
+    done: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in done:
+                    new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                    done[id(tensor)] = (nn.Parameter(new, requires_grad=tensor.requires_grad)
+                                        if isinstance(tensor, nn.Parameter) else new)
+                table[name] = done[id(tensor)]
+    return module
+
+
+def _batch(model: nn.Module, batch_size: int, size: int | tuple[int, int],
+           device: torch.device) -> dict[str, torch.Tensor]:
+    """``model.example_batch`` at ``size``; an ``(h, w)`` size crops a square batch of side
+    ``max(h, w)`` to ``[..., h, w]`` (image ``[B, C, h, w]``, mask ``[B, h, w]``)."""
+    if isinstance(size, int):
+        batch = model.example_batch(batch_size, size)
+    else:
+        h, w = size
+        batch = {k: v[..., :h, :w].contiguous() if v.ndim >= 3 else v
+                 for k, v in model.example_batch(batch_size, max(h, w)).items()}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _micro_peak(model: nn.Module, batch: dict[str, torch.Tensor],
+                optimizer: torch.optim.Optimizer, device: torch.device, precision: str,
+                zero_grad: bool, step: bool, loss_scale: float) -> PeakMemory:
+    """Peak of one training batch in Lightning's automatic-optimization order: forward and
+    loss (scaled by ``loss_scale``), ``zero_grad`` if asked (after the forward, as
+    Lightning's ``Closure``), backward, optimizer step if asked; MemTracker over all of it."""
+    with PeakMemory(device, modules=[model], optimizers=[optimizer],
+                    tracker="memtracker") as peak:
+        with autocast(device, precision):
+            loss = model.training_loss(batch)
+            if loss_scale != 1.0:
+                loss = loss * loss_scale
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if step:
+            optimizer.step()
+        del loss
+    return peak
+
+
+def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
+               device: torch.device, precision: str, fake: bool = True,
+               accumulate_grad_batches: int = 1) -> tuple[str, Any]:
+    """Build the model (``build()``, with strategy applied) and measure two optimizer steps;
+    the largest peak of their batches is returned.
+
+    With ``accumulate_grad_batches=k`` each optimizer step is k batches in Lightning's order
+    (:func:`~remat.measure.step.lightning_micro_steps`: the first zeroes the gradients, the
+    others add to them while they stay allocated, the last steps the optimizer; the loss is
+    divided by k), each batch measured on its own.
+
+    Why two: the first step allocates the optimizer state at its end (after backward has
+    freed the activations), while every later step runs forward and backward with that
+    state, and (Lightning's order: ``zero_grad`` after the forward) the previous step's
+    gradients, already allocated. Which of the two is higher depends on the model (the
+    tiny GPT of ``experiment=shakespeare_gpt``: the second, by 37%). Training's
+    :class:`~remat.callbacks.PeakMemoryMonitor` measures the batches of the first two
+    optimizer steps as well.
+
+    Under ``fake=True`` everything (parameters, optimizer state, batch) is a fake tensor on
+    ``device``; with ``fake=False`` the same steps run for real (the reference the estimate
+    is tested against). A model whose construction calls data-dependent ops (timm's
+    ``trunc_normal_`` init: ``aten._local_scalar_dense``), which FakeTensorMode refuses, is
+    built on the ``meta`` device instead and turned into fake tensors by :func:`materialize`
+    (same shapes and dtypes; values do not matter to a fake trace).
+    ``size`` is a side (px), a sequence length (tokens) or an ``(h, w)`` image size.
+    Returns ``(strategy name, PeakMemory)``.
+    """
+    def run(make: Callable[[], nn.Module]) -> tuple[str, Any]:
+        # forked RNG: on CUDA the trace runs in the training process, whose seed must hold
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return run_seeded(make)
+
+    def run_seeded(make: Callable[[], nn.Module]) -> tuple[str, Any]:
+        model = make().train()
+        optimizer = _optimizer(model)
+        peaks = []
+        scale = 1.0 / accumulate_grad_batches
+        for _ in range(2):
+            for zero_grad, step in lightning_micro_steps(accumulate_grad_batches):
+                batch = _batch(model, batch_size, size, device)
+                peaks.append(_micro_peak(model, batch, optimizer, device, precision,
+                                         zero_grad, step, scale))
+                del batch
+        peak = max(peaks, key=lambda p: p.peak_bytes)
+        for p in peaks:
+            p.modules, p.optimizers = [], []  # keep no fake tensor alive past the mode
+        return model.strategy_report.strategy, peak
+
+    def dev() -> Any:
+        return torch.device(device) if device.type != "cpu" else nullcontext()
+
+    def traced() -> tuple[str, Any]:
+        try:
+            with FakeTensorMode() if fake else nullcontext(), dev():
+                return run(build)
+        except Exception as err:
+            if not (fake and _data_dependent(err)):
+                raise
+        with torch.device("meta"):
+            skeleton = build()
+        with FakeTensorMode(), dev():
+            return run(lambda: materialize(skeleton, device))
+
+    return _in_child(traced)
+
+
+def _in_child(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a forked child process and return its (pickled) result or re-raise its
+    exception here.
+
+    Why: in torch 2.14, a process that runs several fake-tensor training steps under
+    MemTracker aborts with glibc heap corruption ("corrupted double-linked list") inside a
+    garbage collection (seen with U-Nets after a few traces). Each trace therefore runs in
+    a child with the cyclic garbage collector off, which leaves by ``os._exit`` without
+    collecting; the caller's heap never holds a fake tensor. Where ``os.fork`` does not
+    exist (Windows), or CUDA is initialised (a forked child cannot use it), ``fn`` runs in
+    this process.
+    """
+    if not hasattr(os, "fork") or torch.cuda.is_initialized():
+        return fn()  # no fork, or CUDA already up (a forked child could not use it)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: compute, send, leave without running any cleanup
+        code = 1
+        try:
+            os.close(read_fd)
+            try:
+                torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+                gc.disable()  # the crash above comes from a collection; the child _exits
+                payload = (True, fn())
+            except BaseException as err:  # noqa: BLE001 - everything goes to the parent
+                try:
+                    pickle.dumps(err)
+                    payload = (False, err)
+                except Exception:  # noqa: BLE001
+                    payload = (False, RuntimeError(f"{type(err).__name__}: {err}"))
+            with os.fdopen(write_fd, "wb") as pipe:
+                pickle.dump(payload, pipe)
+            code = 0
+        finally:  # never return into the parent's stack (a second training process)
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"trace: the tracing process died (wait status {status}) before "
+                           "it sent a result")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise value
+    return value

@@ -1,0 +1,182 @@
+"""Checks shared by the LightningModules and entry points: batch layout, model/data fit,
+checkpoint fit and resumed LR schedules."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+# hyper-parameters whose disagreement makes a checkpoint unusable for a config
+MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes", "vocab_size", "block_size",
+              "n_layer", "n_head", "n_embd")
+_IMAGE_DATA_HINT = "data=synthetic_seg or kvasir_seg"
+_TEXT_DATA_HINT = "data=tinyshakespeare or enwik8"
+
+
+def require_keys(batch: Mapping, keys: Iterable[str], module: str) -> None:
+    """Raise a clear error when a batch lacks the keys a module reads.
+
+    Raises:
+        KeyError: e.g. a GPT model fed by an image datamodule; names both sides.
+    """
+    missing = [k for k in keys if not isinstance(batch, Mapping) or k not in batch]
+    if missing:
+        got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise KeyError(
+            f"{module} needs batches with keys {sorted(keys)} but the datamodule gives {got}; "
+            "pick a data config that matches the model ("
+            + (f"sequence models: {_TEXT_DATA_HINT})" if "tokens" in keys
+               else f"segmentation models: {_IMAGE_DATA_HINT})")
+        )
+
+
+def warn_if_schedule_ends_early(trainer: L.Trainer) -> None:
+    """Warn when an epoch-based schedule restored from a checkpoint ends before the run does.
+
+    Resuming with a larger ``trainer.max_epochs`` keeps the checkpoint's
+    ``CosineAnnealingLR.T_max``: later epochs would train at ``eta_min`` (often 0).
+    """
+    for config in trainer.lr_scheduler_configs:
+        t_max = getattr(config.scheduler, "T_max", None)
+        if t_max is not None and trainer.max_epochs and config.interval == "epoch" \
+                and t_max < trainer.max_epochs:
+            rank_zero_warn(
+                f"the LR schedule ends after T_max={t_max} epochs but trainer.max_epochs="
+                f"{trainer.max_epochs}: epochs {t_max}..{trainer.max_epochs - 1} train at the "
+                "minimum learning rate. This happens when a run is resumed (ckpt_path) with more "
+                "epochs; resume with the same trainer.max_epochs, or fine-tune from the "
+                "checkpoint's weights in a new run."
+            )
+
+
+def _has_attribute(cls: type, obj: Any, name: str) -> bool:
+    """Whether ``obj`` exposes ``name``, without evaluating a property (a text datamodule's
+    ``vocab_size`` is only known after ``setup``)."""
+    return hasattr(cls, name) or name in getattr(obj, "__dict__", {})
+
+
+def _kind(obj: Any) -> str | None:
+    """``"sequence"`` (token ids, ``vocab_size``), ``"segmentation"`` (``num_classes``)."""
+    hparams = getattr(obj, "hparams", None)
+    names = set(hparams) if isinstance(obj, L.LightningModule) and hparams is not None \
+        else {n for n in ("vocab_size", "num_classes") if _has_attribute(type(obj), obj, n)}
+    if "vocab_size" in names:
+        return "sequence"
+    if "num_classes" in names:
+        return "segmentation"
+    return None
+
+
+def check_model_fits_data(model: L.LightningModule, datamodule: Any,
+                          model_name: str | None = None, data_name: str | None = None) -> None:
+    """Raise before training when the model cannot read the datamodule's batches.
+
+    Checks the kinds (segmentation model with ``num_classes`` vs sequence model with
+    ``vocab_size``; datamodules expose the same attribute), ``model.num_classes`` against the
+    datamodule's ``num_classes`` (1 = binary) and ``model.in_channels`` against the
+    datamodule's ``in_channels`` when it has one (every segmentation datamodule: 3, or 1 for
+    ``data.image_mode=grey``).
+    ``model_name``/``data_name`` are the config choices (``gpt_tiny``, ``dubai_aerial``).
+
+    Raises:
+        ValueError: a mismatch, naming the ``model.`` key, the ``data.`` key that sets the
+            datamodule's side (``data.image_mode`` for channels) and what would fit.
+    """
+    model_kind, data_kind = _kind(model), _kind(datamodule)
+    m = f"model={model_name}" if model_name else f"model ({type(model).__name__})"
+    d = f"data={data_name}" if data_name else f"data ({type(datamodule).__name__})"
+    if model_kind and data_kind and model_kind != data_kind:
+        hint = _TEXT_DATA_HINT if model_kind == "sequence" else _IMAGE_DATA_HINT
+        raise ValueError(
+            f"model and data kinds do not match: {m} is a {model_kind} model but {d} gives "
+            f"{data_kind} batches; pick {hint} for this model, or a {data_kind} model "
+            f"(model={'gpt_tiny' if data_kind == 'sequence' else 'unet_resnet18'})")
+    if model_kind != "segmentation" or data_kind != "segmentation":
+        return
+    ours, theirs = model.hparams.get("num_classes"), getattr(datamodule, "num_classes", None)
+    if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
+        raise ValueError(
+            f"model.num_classes={ours} but {d} serves {theirs} classes (1 = binary); set "
+            f"model.num_classes={theirs} (or pick data that matches {m})")
+    ours, theirs = model.hparams.get("in_channels"), getattr(datamodule, "in_channels", None)
+    if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
+        raise ValueError(f"model.in_channels={ours} but {d} serves {theirs} image channels"
+                         f"{_channels_hint(datamodule, ours)}")
+
+
+def _channels_hint(datamodule: Any, wanted: int) -> str:
+    """How to make the data's channels fit ``model.in_channels=wanted``: the
+    ``data.image_mode`` that serves that many, or the model key to change."""
+    served = getattr(datamodule, "in_channels", None)
+    mode = getattr(datamodule, "image_mode", None)
+    if mode is None:
+        return f" (it has no data.image_mode); set model.in_channels={served}"
+    modes = {1: "grey", 3: "rgb (or grey_rgb for grey data)"}
+    other = (f" or data.image_mode={modes[wanted]}" if wanted in modes
+             else f" (data.image_mode serves 1 or 3 channels, not {wanted})")
+    return f" (data.image_mode={mode}); set model.in_channels={served}{other}"
+
+
+def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+    """Read a Lightning checkpoint (on CPU) with ``torch.load(weights_only=True)`` and check
+    it is one.
+
+    ``weights_only=True`` unpickles only tensors and plain containers, so a checkpoint cannot
+    run code when it is read; remat's checkpoints hold nothing else (hyper-parameters are
+    plain dicts, lists and scalars).
+
+    Raises:
+        FileNotFoundError: ``ckpt_path`` does not exist.
+        ValueError: the file is not a torch file, holds objects ``weights_only`` refuses (the
+            message keeps torch's note of which), or has no ``state_dict`` entry.
+    """
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file (expected a Lightning "
+                                "checkpoint such as <run dir>/checkpoints/last.ckpt)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # a global weights_only does not allow
+        raise ValueError(f"ckpt_path={ckpt_path} holds objects that torch.load("
+                         f"weights_only=True) refuses to unpickle: {err}") from err
+    except Exception as err:  # torch raises several types for a corrupt/foreign file
+        raise ValueError(f"ckpt_path={ckpt_path} could not be read as a torch checkpoint: "
+                         f"{err}") from err
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ValueError(f"ckpt_path={ckpt_path} is not a Lightning checkpoint (no "
+                         "'state_dict' entry)")
+    return ckpt
+
+
+def check_checkpoint_fits(model: torch.nn.Module, ckpt: Mapping[str, Any],
+                          ckpt_path: str | Path) -> None:
+    """Raise one clear error when a checkpoint's hyper-parameters (:data:`MODEL_KEYS`) or
+    ``state_dict`` keys/shapes differ from ``model``'s (first 5 of each listed).
+
+    Raises:
+        ValueError: names ``ckpt_path`` and the differing ``model.`` keys or tensor shapes.
+    """
+    hparams = ckpt.get("hyper_parameters") or {}
+    ours = getattr(model, "hparams", {})
+    differ = [f"{k}: checkpoint {hparams[k]!r}, config {ours[k]!r}" for k in MODEL_KEYS
+              if k in hparams and k in ours and hparams[k] != ours[k]]
+    if differ:
+        raise ValueError(f"ckpt_path={ckpt_path} was trained with another model than the "
+                         f"config asks for (model.{'; model.'.join(differ)})")
+    state, theirs = model.state_dict(), ckpt["state_dict"]
+    missing = sorted(set(state) - set(theirs))
+    unexpected = sorted(set(theirs) - set(state))
+    shapes = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(state[k].shape)}"
+              for k, v in theirs.items()
+              if k in state and hasattr(v, "shape") and v.shape != state[k].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(
+            f"ckpt_path={ckpt_path} does not fit the configured model: "
+            f"{len(missing)} missing keys {missing[:5]}, {len(unexpected)} unexpected keys "
+            f"{unexpected[:5]}, {len(shapes)} shape mismatches {shapes[:5]}")

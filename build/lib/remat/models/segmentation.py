@@ -1,0 +1,217 @@
+"""LightningModule for semantic segmentation with any smp architecture and encoder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import segmentation_models_pytorch as smp
+import torch
+from torch import nn
+
+from remat.inference import SlidingWindow, sliding_window_inference
+from remat.models.base import StrategyModule
+from remat.models.checks import require_keys, warn_if_schedule_ends_early
+from remat.models.metrics import SegmentationMetrics
+from remat.strategies import CheckpointStrategy
+
+
+def build_smp_model(arch: str, encoder_name: str, encoder_weights: str | None,
+                    in_channels: int, num_classes: int, **kwargs: Any) -> nn.Module:
+    """Build an smp model; a wrong ``arch`` or ``encoder_name`` names the config key.
+
+    Raises:
+        ValueError: unknown ``model.arch`` or ``model.encoder_name`` (the message keeps smp's
+            list of valid options).
+    """
+    try:
+        return smp.create_model(arch, encoder_name=encoder_name, encoder_weights=encoder_weights,
+                                in_channels=in_channels, classes=num_classes, **kwargs)
+    except KeyError as err:
+        raise ValueError(f"model.arch / model.encoder_name: {err.args[0]}") from err
+
+
+class SegmentationModule(StrategyModule):
+    """Binary or multiclass segmentation of ``{"image": [B,3,H,W], "mask": [B,H,W]}`` batches.
+
+    Masks hold class indices (int64); pixels equal to ``ignore_index`` and, when the batch has
+    a ``"valid"`` bool ``[B,H,W]`` entry (DRIVE field of view), pixels where it is False count
+    in neither the loss nor the metrics.
+
+    The network is ``smp.create_model(arch, encoder_name, ...)`` (segmentation-models-pytorch);
+    its output has ``num_classes`` channels (1 for binary). The activation checkpointing
+    ``strategy`` is applied in place to ``stages`` (dotted paths with globs into the smp
+    model, e.g. ``encoder.layer*``) when the module is built; the report is kept in
+    ``strategy_report`` and logged.
+
+    Loss (smp.losses, both with ``ignore_index``): Dice + BCE-with-logits for binary (BCE
+    averaged over non-ignored pixels), Dice + cross-entropy for multiclass.
+    Metrics: the set named by ``metrics`` (:mod:`remat.models.metrics`: ``per_image`` =
+    per-image Dice/IoU as polyp papers report, ``binary_pooled`` = foreground Dice/IoU and
+    pixel accuracy over the split, ``multiclass`` = mIoU, per-class ``iou_<class>``, pixel
+    accuracy), logged under ``val/`` and ``test/`` at the end of each epoch.
+    Validation and test run on whole images: with ``inference`` set, by sliding-window
+    inference (:func:`remat.inference.sliding_window_inference`), else one forward pass.
+
+    Args:
+        arch, encoder_name, encoder_weights, in_channels, num_classes: smp model arguments
+            (``num_classes`` is smp's ``classes``); ``encoder_weights=None`` is random init.
+        stages: stage paths the strategy wraps.
+        strategy: a :class:`~remat.strategies.CheckpointStrategy` (default: ``none``).
+        optimizer: partial optimizer, called with the parameters.
+        scheduler: optional partial LR scheduler, called with the optimizer; stepped per epoch.
+        arch_kwargs: extra smp model arguments (e.g. ``decoder_channels``).
+        net: a ready network (``[B, in_channels, H, W]`` -> ``[B, num_classes, H, W]``) used
+            instead of an smp model, e.g. a ViT segmenter; ``arch``/``encoder_*`` are then
+            ignored.
+        metrics: metric set name (``per_image`` | ``binary_pooled`` | ``multiclass``).
+        ignore_index: mask value excluded from loss and metrics (255 in every datamodule).
+        class_names: class names for per-class metric keys (``val/iou_<name>``).
+        inference: sliding-window settings for validation/test, keys of
+            :class:`remat.inference.SlidingWindow` (``patch_size``, ``overlap``,
+            ``batch_size``, ``blend``, ``size_divisor``), or None for one forward pass.
+
+    Raises:
+        ValueError: ``num_classes < 1``; unknown arch/encoder; a bad ``metrics`` name or
+            ``inference`` value (naming the ``model.`` key).
+        remat.strategies.StageError: a stage matches no module (close names are listed).
+    """
+
+    def __init__(self, arch: str = "Unet", encoder_name: str = "resnet34",
+                 encoder_weights: str | None = None, in_channels: int = 3, num_classes: int = 1,
+                 stages: Sequence[str] = (), strategy: CheckpointStrategy | None = None,
+                 optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+                 scheduler: Callable[..., Any] | None = None,
+                 arch_kwargs: dict[str, Any] | None = None, net: nn.Module | None = None,
+                 metrics: str = "per_image", ignore_index: int = 255,
+                 class_names: Sequence[str] | None = None,
+                 inference: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        if num_classes < 1:
+            raise ValueError(f"model.num_classes must be >= 1 (1 = binary), got {num_classes}")
+        self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler", "net"])
+        if net is None:
+            net = build_smp_model(arch, encoder_name, encoder_weights, in_channels, num_classes,
+                                  **dict(arch_kwargs or {}))
+        self.wrap_net(net, stages, strategy)
+        self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+        self.scheduler_factory = scheduler
+        self.binary = num_classes == 1
+        self.ignore_index = ignore_index
+        if self.binary:
+            self.dice_loss = smp.losses.DiceLoss(mode="binary", from_logits=True,
+                                                 ignore_index=ignore_index)
+            self.ce_loss = smp.losses.SoftBCEWithLogitsLoss(ignore_index=ignore_index,
+                                                            reduction="none")
+        else:
+            self.dice_loss = smp.losses.DiceLoss(mode="multiclass", from_logits=True,
+                                                 ignore_index=ignore_index)
+            self.ce_loss = nn.CrossEntropyLoss(ignore_index=ignore_index)
+        try:
+            self.window = SlidingWindow(**dict(inference)) if inference else None
+        except TypeError as err:
+            raise ValueError(f"model.inference: {err}; expected keys patch_size, overlap, "
+                             "batch_size, blend, size_divisor") from err
+        self.metrics = nn.ModuleDict({
+            stage: SegmentationMetrics(metrics, num_classes, ignore_index, class_names)
+            for stage in ("val", "test")})
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """``[B, in_channels, H, W]`` -> logits ``[B, num_classes, H, W]``."""
+        return self.net(images)
+
+    def infer(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, num_classes, H, W]`` of whole images: sliding-window inference when
+        ``inference`` is set (under ``no_grad``), else one forward pass."""
+        if self.window is None:
+            return self(images)
+        return sliding_window_inference(self, images, self.window)
+
+    def target(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's mask ``[B, H, W]`` with pixels outside ``batch["valid"]`` (if any) set
+        to ``ignore_index``."""
+        require_keys(batch, ("image", "mask"), "SegmentationModule")
+        mask = batch["mask"]
+        valid = batch.get("valid")
+        if valid is not None:
+            mask = mask.masked_fill(~valid.bool(), self.ignore_index)
+        return mask
+
+    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Dice + cross-entropy loss of a ``{"image", "mask"}`` batch (scalar)."""
+        return self._loss(self(batch["image"]), self.target(batch))
+
+    def example_batch(self, batch_size: int, size: int,
+                      generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Random images ``[batch_size, in_channels, size, size]`` and masks for benchmarks."""
+        classes = 2 if self.binary else self.hparams.num_classes
+        return {
+            "image": torch.randn(batch_size, self.hparams.in_channels, size, size,
+                                 generator=generator),
+            "mask": torch.randint(0, classes, (batch_size, size, size), generator=generator),
+        }
+
+    def _loss(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if self.binary:
+            target = mask.unsqueeze(1).float()
+            keep = (target != self.ignore_index).float()
+            bce = (self.ce_loss(logits, target) * keep).sum() / keep.sum().clamp_min(1.0)
+            return self.dice_loss(logits, target) + bce
+        return self.dice_loss(logits, mask) + self.ce_loss(logits, mask)
+
+    def predict_labels(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, C, H, W]`` -> class indices ``[B, H, W]`` (int64)."""
+        if self.binary:
+            return (logits[:, 0] > 0).long()
+        return logits.argmax(dim=1)
+
+    def on_train_start(self) -> None:
+        warn_if_schedule_ends_early(self.trainer)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.training_loss(batch)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True,
+                 batch_size=batch["image"].shape[0])
+        return loss
+
+    def evaluate_batch(self, batch: dict[str, torch.Tensor],
+                       stage: str = "val") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Whole-image logits, predicted labels ``[B, H, W]`` and target of a batch; adds
+        them to the ``stage`` metrics. Returns ``(loss, preds, target)``."""
+        target = self.target(batch)
+        logits = self.infer(batch["image"])
+        preds = self.predict_labels(logits)
+        self.metrics[stage].update(preds, target)
+        return self._loss(logits, target), preds, target
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> None:
+        loss, _, _ = self.evaluate_batch(batch, stage)
+        self.log(f"{stage}/loss", loss, on_epoch=True, prog_bar=True,
+                 batch_size=batch["image"].shape[0])
+
+    def _log_metrics(self, stage: str) -> None:
+        metrics = self.metrics[stage]
+        values = {f"{stage}/{k}": v for k, v in metrics.compute().items()}
+        metrics.reset()
+        self.log_dict(values, prog_bar=False)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metrics("val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test")
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(params=self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer=optimizer)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}

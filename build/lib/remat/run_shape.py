@@ -1,0 +1,203 @@
+"""The shape of a run, resolved in one place: which size key applies, precision and device.
+
+Every entry point (train, bench, estimate, eval) and the callbacks ask this module:
+
+* **size key**: a sequence model (its config has ``block_size``) reads ``data.block_size``
+  (tokens; falling back to ``model.block_size``); an image model reads ``data.image_size``
+  (px; resized sets), else ``data.patch_size`` (px; random training crops of large tiles).
+  An image size is an int (square side) or ``[h, w]``; a square ``[s, s]`` is the int ``s``.
+* **precision**: one of :data:`PRECISIONS`; ``16-mixed`` needs CUDA.
+* **device**: ``auto`` is ``cuda`` where a CUDA driver is present, else ``cpu``.
+
+No Lightning imports; values come from an OmegaConf config or from a datamodule's attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+# precisions whose autocast the memory tracer and the benchmark reproduce
+TRACED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+IMAGE_KEYS = ("image_size", "patch_size")
+SEQUENCE_KEY = "block_size"
+
+Size = int | tuple[int, int]
+
+
+def plain(value: Any) -> Any:
+    """An OmegaConf container as plain Python (lists, dicts); anything else unchanged."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def normalize_size(value: Any, key: str) -> Size:
+    """An image side or ``[h, w]`` (px), or a sequence length (tokens), checked.
+
+    Args:
+        value: the config value (int, list/tuple/ListConfig of two ints).
+        key: its config key, e.g. ``data.image_size``; ``[h, w]`` is accepted for image keys.
+
+    Returns:
+        an int, or ``(h, w)`` for a non-square image size (a square pair gives its side).
+
+    Raises:
+        ValueError: not an integer >= 1 (or, for image keys, a pair of them); names ``key``.
+    """
+    value = plain(value)
+    image = key.rsplit(".", 1)[-1] in IMAGE_KEYS
+    if image and isinstance(value, Sequence) and not isinstance(value, str):
+        pair = tuple(value)
+        if len(pair) == 2 and all(_is_int(v) and v >= 1 for v in pair):
+            return pair[0] if pair[0] == pair[1] else (int(pair[0]), int(pair[1]))
+    elif _is_int(value) and value >= 1:
+        return int(value)
+    expected = "an integer >= 1" + (" or [h, w] (px)" if image else "")
+    raise ValueError(f"{key} must be {expected}, got {value!r}")
+
+
+def size_elements(size: Size) -> int:
+    """Pixels of an image size (``s * s`` or ``h * w``); a sequence length as it is."""
+    return size[0] * size[1] if isinstance(size, tuple) else size
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What one training batch looks like: ``batch_size`` samples of ``size`` (px side,
+    ``(h, w)`` px, or tokens), read from ``size_key`` (``data.image_size``,
+    ``data.patch_size``, ``data.block_size`` or ``model.block_size``). Fields are None when
+    the config or datamodule does not say (e.g. a failed interpolation)."""
+
+    batch_size: int | None
+    size: Size | None
+    size_key: str | None
+
+    @property
+    def kind(self) -> str | None:
+        """``"sequence"`` (tokens), ``"image"`` (pixels), or None."""
+        if self.size_key is None:
+            return None
+        return "sequence" if self.size_key.endswith(SEQUENCE_KEY) else "image"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``batch_size``, ``size`` (int or ``[h, w]``), ``size_key``."""
+        size = list(self.size) if isinstance(self.size, tuple) else self.size
+        return {"batch_size": self.batch_size, "size": size, "size_key": self.size_key}
+
+
+def _get(node: Any, key: str) -> Any:
+    """``node[key]`` for configs, mappings and objects; None when absent or when resolving
+    it raises (a failing interpolation such as ``${remat.batch_for:...}``)."""
+    if node is None:
+        return None
+    try:
+        if isinstance(node, DictConfig | Mapping):
+            return node.get(key)
+        return getattr(node, key, None)
+    except Exception:  # noqa: BLE001 - omegaconf raises several types for a failing resolver
+        return None
+
+
+def is_sequence_model(model_cfg: Any) -> bool:
+    """Whether a model config (or module hparams) describes a sequence model: it has
+    ``block_size``."""
+    try:
+        return model_cfg is not None and "block_size" in model_cfg
+    except TypeError:
+        return False
+
+
+def size_key_of(data: Any, model_cfg: Any = None) -> str | None:
+    """The size key that applies (``data.block_size``, ``model.block_size``,
+    ``data.image_size`` or ``data.patch_size``), or None when none is set.
+
+    ``data`` is the data config or a datamodule; ``model_cfg`` (optional) the model config,
+    whose ``block_size`` makes it a sequence model."""
+    if is_sequence_model(model_cfg) or (model_cfg is None and _get(data, SEQUENCE_KEY)
+                                        is not None):
+        if _get(data, SEQUENCE_KEY) is not None:
+            return f"data.{SEQUENCE_KEY}"
+        return f"model.{SEQUENCE_KEY}" if model_cfg is not None else None
+    for key in IMAGE_KEYS:
+        if _get(data, key) is not None:
+            return f"data.{key}"
+    return None
+
+
+def shape_of(data: Any, model_cfg: Any = None, strict: bool = False) -> RunShape:
+    """The :class:`RunShape` of a data config or datamodule (plus the model config, for the
+    ``model.block_size`` fallback and the sequence/image decision).
+
+    Args:
+        strict: raise on a bad value instead of recording None (entry points that need the
+            number use ``strict=True``; summaries of failed runs use the default).
+
+    Raises:
+        ValueError: with ``strict``, a missing size or a size or batch size that is not an
+            integer >= 1 (or ``[h, w]`` for image keys); the message names the key.
+    """
+    key = size_key_of(data, model_cfg)
+    raw = None
+    if key is not None:
+        node = model_cfg if key.startswith("model.") else data
+        raw = _get(node, key.split(".", 1)[1])
+    batch = _get(data, "batch_size")
+    try:
+        size = normalize_size(raw, key) if key is not None else None
+        batch = normalize_size(batch, "data.batch_size") if batch is not None else None
+    except ValueError:
+        if strict:
+            raise
+        size = raw if _is_int(raw) else None
+        batch = batch if _is_int(batch) else None
+    if strict and key is None:
+        raise ValueError("no input size: set data.image_size or data.patch_size (image models, "
+                         "px) or data.block_size (sequence models, tokens)")
+    if strict and batch is None:
+        raise ValueError("data.batch_size must be an integer >= 1, got None")
+    return RunShape(batch, size, key)
+
+
+def check_precision(precision: Any, accelerator: str = "auto",
+                    allowed: Sequence[str] = PRECISIONS, who: str = "precision") -> str:
+    """``precision`` as a string, checked against ``allowed``.
+
+    Raises:
+        ValueError: not one of ``allowed``; ``16-mixed`` without a CUDA device (or with
+            ``accelerator=cpu``); the message names ``who`` (e.g. ``precision``).
+    """
+    value = "32-true" if str(precision) == "32" else str(precision)
+    if value not in allowed:
+        raise ValueError(f"{who}={value!r} is not supported; use one of: {', '.join(allowed)}")
+    if value == "16-mixed" and (str(accelerator) == "cpu" or not torch.cuda.is_available()):
+        raise ValueError(f"{who}=16-mixed needs a CUDA device (float16 autocast with a gradient "
+                         "scaler); on CPU use precision=bf16-mixed")
+    return value
+
+
+def resolve_device(device: Any = "auto") -> torch.device:
+    """``auto`` -> ``cuda`` when a CUDA driver is present, else ``cpu``; others as given.
+
+    Raises:
+        ValueError: an unknown device string, or a CUDA device asked for on a machine without
+            CUDA.
+    """
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"device={name!r} is not a torch device (auto, cpu, cuda, cuda:1, "
+                         f"...): {err}") from err
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name}: no CUDA driver on this machine; use device=cpu or auto")
+    return dev

@@ -1,0 +1,128 @@
+"""The strategy contract: ``apply(model, stages) -> StrategyReport`` and ``remove(model)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from remat.strategies import wrapping
+from remat.strategies.stages import resolve_stages
+
+
+@dataclass
+class StrategyReport:
+    """What a strategy did to a model.
+
+    Attributes:
+        strategy: registry name of the strategy (``none``, ``full``, ``sqrtn``, ...).
+        stages: resolved dotted paths of the stages it was asked to act on.
+        wrapped: dotted paths of the modules (blocks, or whole stages) whose activations are
+            now recomputed.
+        segments: stage path -> half-open block ranges, one per checkpointed segment; a stage
+            that is one module (not a chain) is one segment ``[(0, 1)]``.
+        kept_boundaries: number of segment inputs kept in the forward pass (one per segment).
+    """
+
+    strategy: str
+    stages: list[str] = field(default_factory=list)
+    wrapped: list[str] = field(default_factory=list)
+    segments: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    @property
+    def kept_boundaries(self) -> int:
+        return sum(len(v) for v in self.segments.values())
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (tuples become lists)."""
+        out = asdict(self)
+        out["segments"] = {k: [list(s) for s in v] for k, v in self.segments.items()}
+        out["kept_boundaries"] = self.kept_boundaries
+        return out
+
+
+class CheckpointStrategy:
+    """Base class of every activation checkpointing strategy.
+
+    A strategy acts on any ``nn.Module`` in place, through the one wrapping mechanism of
+    :mod:`remat.strategies.wrapping`: the wrapped model computes the same function (outputs,
+    gradients, norm running statistics, dropout masks) and keeps the same ``state_dict``
+    keys and module paths; only peak memory and step time change. Under ``eval()`` or
+    ``torch.no_grad()`` a strategy does nothing.
+
+    Subclasses implement :meth:`wrap_stage` (what to do with one resolved stage) and, if
+    they change a module other than through a wrapped forward, :meth:`undo`.
+
+    Capabilities, for generic callers (estimate, callbacks, bench) instead of type tests:
+
+    Attributes:
+        recomputes: activations are dropped in the forward and recomputed in backward.
+        traceable: a training step can be traced under ``FakeTensorMode`` (``remat.estimate``
+            predicts its peak memory exactly).
+        measurable_on_cpu: ``MemTracker`` (a ``TorchDispatchMode``) sees the strategy's real
+            behaviour; ``False`` where the work happens in compiled code that dynamo skips
+            under a dispatch mode.
+    """
+
+    name: str = "base"
+    recomputes: bool = False
+    traceable: bool = True
+    measurable_on_cpu: bool = True
+
+    def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
+        """Wrap the stages of ``model`` (dotted paths with globs) in place.
+
+        Removes whatever remat wrapping the model carries first, so applying twice is the
+        same as applying once, and applying over another strategy replaces it.
+
+        Raises:
+            StageError: a stage matches nothing (close names listed), one lies inside
+                another, or the strategy cannot wrap it (the message says why and what to do).
+        """
+        resolved = resolve_stages(model, stages)
+        for path, module in resolved:
+            self.check_stage(path, module)
+        wrapping.unwrap_all(model)
+        report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
+        try:
+            for path, module in resolved:
+                self.wrap_stage(path, module, report)
+        except BaseException:
+            wrapping.unwrap_all(model)
+            raise
+        wrapping.arm(model, self.name)
+        return report
+
+    def check_stage(self, path: str, module: nn.Module) -> None:
+        """Raise :class:`~remat.strategies.StageError` if this strategy cannot act on the
+        stage; called for every stage before anything is changed. Default: accept."""
+
+    def wrap_stage(self, path: str, module: nn.Module, report: StrategyReport) -> None:
+        """Act on one resolved stage (install wraps, fill ``report``). Default: nothing."""
+
+    def undo(self, module: nn.Module, wrap: wrapping.Wrap) -> None:
+        """Revert what this strategy did to one wrapped module (asked by
+        :func:`~remat.strategies.wrapping.unwrap_all`). Default: remove the wrap."""
+        wrapping.uninstall(module)
+
+    def remove(self, model: nn.Module) -> None:
+        """Restore the original behaviour of every module of ``model`` remat wrapped."""
+        wrapping.unwrap_all(model)
+
+    def preflight(self, model: nn.Module) -> None:
+        """Check, before training starts (after the trainer has set the model up, e.g.
+        converted BatchNorm to SyncBatchNorm), what the wrapping cannot do; raise a clear
+        error naming the module. Default: nothing to check."""
+
+    def verify(self, model: nn.Module) -> None:
+        """Check, after one training forward, that the wrapping is on the code path used.
+
+        Raises:
+            StageError: a wrapped unit was never called (its parent bypasses it).
+        """
+        wrapping.verify(model, self.name)
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"

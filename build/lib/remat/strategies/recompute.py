@@ -1,0 +1,561 @@
+"""How a recomputing strategy runs its units in training: checkpointed segments formed by
+the real calls of the modules, whatever the parent's loop looks like.
+
+A *unit* is a wrapped module (a block of a chain, or a whole stage). Each training call of a
+unit runs inside a *region*: torch's non-reentrant checkpoint machinery
+(``torch.utils.checkpoint``'s ``_CheckpointFrame`` and ``_checkpoint_hook``, the code behind
+``checkpoint(..., use_reentrant=False)``) drops every tensor the call saves for backward,
+and a tape of the region's calls recomputes them when backward first needs one. A single
+module is one region per call. The blocks of one segment of a chain share a region, which
+the calls themselves form:
+
+- every call of a segment's blocks (in increasing block order) joins the segment's open
+  region; each call runs for real, at the time and with the arguments the parent gives,
+  and returns its true output, which the parent may keep, append to a list or transform;
+- each argument of a call that *is* (same object, unmodified) an output of an earlier call
+  of the region is recomputed in backward, not kept; every other tensor argument (the
+  segment's input, an attention mask, a tensor the parent computed between two calls) is
+  kept as it is. So ``x = blk(x)`` loops keep one input per segment (Chen et al. 2016,
+  arXiv 1604.06174), Hugging Face layers get their keyword arguments, a MONAI UNETR that
+  collects every block's output for its skips gets those outputs, parallel heads fed the
+  same input share it;
+- the parent's own code between two calls runs outside the region (nothing it saves is
+  dropped), and the replay sets the forward's RNG state and autocast state again before
+  each call, so dropout masks are the same even when the parent draws random numbers
+  between blocks (layer drop).
+
+What the replay keeps from the forward:
+
+- norm running statistics: modules with ``running_mean``/``running_var`` (BatchNorm,
+  SyncBatchNorm, InstanceNorm with ``track_running_stats=True``, LazyBatchNorm once
+  initialised) write into throw-away copies during the replay, so each forward updates
+  them once; batch statistics still normalise, so the recomputed values are the same;
+- other buffers the unit's forward changes in place (learned at its first call: e.g. the
+  power-iteration vectors of spectral norm) are replayed from their values before the
+  call, and the replay's writes are discarded;
+- SyncBatchNorm in a recomputed unit would all-reduce again during the replay (one more
+  collective per layer per step): a call that would do so is refused naming the module;
+- a key/value cache passed to a recomputed layer in training would be appended to twice;
+  as Hugging Face's own gradient checkpointing does (``transformers`` ``modeling_layers``),
+  the call gets ``use_cache=False`` and no cache object (``cache``, ``past_key_value(s)``,
+  ``layer_past``, any ``transformers`` ``Cache``), with a one-time warning;
+- a replay whose saved tensors differ from the forward's raises :class:`RecomputeError`
+  naming the unit and the likely causes, and :func:`is_recomputing` tells hooks that run
+  inside a replay from the forward.
+
+Under ``torch.compile`` (dynamo tracing a wrapped model) each call is
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, which dynamo turns into its
+activation-checkpoint operator; the compiler then decides what to recompute. A unit called
+inside someone else's checkpoint (a model with its own gradient checkpointing switched on,
+or a replay) runs as it is: only the outermost checkpoint recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils import checkpoint as _ckpt
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.strategies.stages import StageError
+
+# torch's non-reentrant checkpoint internals (torch 2.x); without them each call is a plain
+# torch.utils.checkpoint.checkpoint and segments of a chain are not shared.
+_HAS_FRAMES = (hasattr(_ckpt, "_CheckpointFrame") and hasattr(_ckpt, "_checkpoint_hook")
+               and hasattr(_ckpt._CheckpointFrame, "get_inputs"))
+
+_STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+_CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
+
+_local = threading.local()
+
+
+class RecomputeError(_ckpt.CheckpointError):
+    """The recompute of a unit did not reproduce what its forward saved for backward."""
+
+
+def is_recomputing() -> bool:
+    """Whether the calling code runs inside a remat recompute (the replay of a checkpointed
+    unit during backward), e.g. in a forward hook that should count or log only real
+    forwards. Thread-local: backward on CUDA runs in autograd's device threads, and so does
+    the replay and every hook it calls."""
+    return getattr(_local, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _inside_checkpoint() -> bool:
+    """Whether a torch checkpoint (forward or recompute) is active around this call."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError):  # pragma: no cover - older torch
+        return is_recomputing()
+    return hooks is not None and getattr(hooks[0], "_checkpoint_internal", False)
+
+
+# --- arguments: key/value caches ------------------------------------------------------
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+@functools.cache
+def _positional_names(cls: type) -> tuple[str, ...]:
+    """Names of the positional parameters of ``cls.forward`` after ``self``."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    names = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return tuple(names)
+
+
+def _is_cache_object(value: Any) -> bool:
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_cls = getattr(cache_utils, "Cache", None)
+    return cache_cls is not None and isinstance(value, cache_cls)
+
+
+def drop_cache(module: nn.Module, path: str, args: tuple, kwargs: dict
+               ) -> tuple[tuple, dict]:
+    """The call's arguments without a key/value cache (see the module docstring).
+
+    A layer that declares ``_can_checkpoint_with_cache = True`` (``transformers``) keeps its
+    cache object; ``use_cache`` is switched off either way, as Hugging Face does.
+    """
+    keep_cache = getattr(module, "_can_checkpoint_with_cache", False) is True
+    changed: list[str] = []
+
+    def drop(name: str | None, value: Any) -> Any:
+        if name == "use_cache" and value is True:
+            changed.append("use_cache=False")
+            return False
+        if not keep_cache and value is not None and (name in _CACHE_ARGS
+                                                     or _is_cache_object(value)):
+            changed.append(f"{name or type(value).__name__}=None")
+            return None
+        return value
+
+    names = _positional_names(type(module))
+    new_args = tuple(drop(names[i] if i < len(names) else None, v) for i, v in enumerate(args))
+    new_kwargs = {k: drop(k, v) for k, v in kwargs.items()}
+    if changed:
+        _warn_once(type(module).__qualname__,
+                   f"remat: {type(module).__name__} at '{path}' is recomputed in training, and "
+                   f"a key/value cache would be appended to twice; it runs with "
+                   f"{', '.join(changed)} (as Hugging Face's own gradient checkpointing does)")
+    return new_args, new_kwargs
+
+
+# --- norms and other state ------------------------------------------------------------
+
+
+def refuse_sync_batchnorm(module: nn.Module, path: str) -> None:
+    """Raise if recomputing ``module`` would run a SyncBatchNorm collective a second time.
+
+    Raises:
+        StageError: names the SyncBatchNorm module and what to do instead.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, nn.SyncBatchNorm) and m.training and (
+                dist.get_world_size(m.process_group) > 1):
+            where = f"{path}.{name}" if name else path
+            raise StageError(
+                f"'{where}' is a SyncBatchNorm inside the recomputed unit '{path}': the "
+                "recompute in backward would all-reduce its batch statistics again (one more "
+                "collective per layer and step). Train without trainer.sync_batchnorm, leave "
+                "this stage out of model.stages, or use strategy=offload (no recompute)")
+
+
+@dataclass(eq=False)
+class UnitState:
+    """Per-unit knowledge kept between calls (rebuilt after pickling): the buffers its
+    forward changes that are not norm statistics (learned at the first call), and whether
+    its checkpoint frees nothing (``plain``: the strategy's forward context said
+    ``saves_nothing`` after a call), so later calls run without one."""
+
+    learned: bool = False
+    stateful: set[tuple[int, str]] = field(default_factory=set)
+    plain: bool = False
+
+
+def _is_norm_stat(module: nn.Module, name: str) -> bool:
+    return (name in _STAT_BUFFERS and isinstance(module, _NormBase)
+            and module.track_running_stats)
+
+
+def _initialised(buf: Any) -> bool:
+    return isinstance(buf, torch.Tensor) and not isinstance(
+        buf, torch.nn.parameter.UninitializedBuffer)
+
+
+class _StateGuard:
+    """Before/after one forward call: what its replay must protect (module docstring)."""
+
+    def __init__(self, module: nn.Module, state: UnitState) -> None:
+        self.state = state
+        # norm modules, not their buffers: a lazy norm creates its statistics in the call
+        self.norms: list[nn.Module] = []
+        self.snapshot: dict[tuple[nn.Module, str], torch.Tensor] = {}
+        self._watch: list[tuple[nn.Module, str, torch.Tensor, int]] = []
+        for m in module.modules():
+            if isinstance(m, _NormBase) and m.track_running_stats and m.training:
+                self.norms.append(m)
+            for name, buf in m._buffers.items():
+                if not _initialised(buf) or _is_norm_stat(m, name):
+                    continue
+                self._watch.append((m, name, buf, buf._version))
+                if not state.learned or (id(m), name) in state.stateful:
+                    self.snapshot[(m, name)] = buf.detach().clone()
+
+    def finish(self) -> None:
+        """After the forward call: learn which buffers it changed."""
+        changed = {(id(m), name) for m, name, buf, version in self._watch
+                   if m._buffers.get(name) is not buf or buf._version != version}
+        if not self.state.learned:
+            self.state.learned = True
+            self.state.stateful = changed
+            self.snapshot = {k: v for k, v in self.snapshot.items()
+                             if (id(k[0]), k[1]) in changed}
+        else:
+            self.state.stateful |= changed
+        self._watch = []
+
+
+
+@contextlib.contextmanager
+def _replaying(guards: list[_StateGuard], norms: bool = True) -> Iterator[None]:
+    """During the replay of a region's calls (``guards`` in call order): norm statistics
+    write into copies, changed buffers start from their values before the first call that
+    changed them; everything restored after. The copies are made before the replay runs
+    (outside any dispatch mode a strategy enters for the recompute), and a buffer shared by
+    several calls gets one copy, so later calls see the earlier calls' replayed updates as
+    the forward did. ``norms=False`` skips the norm copies, for a recompute that runs no op
+    writing them (a strategy's recompute context says so with ``rewrites_state``)."""
+    swaps: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor]] = {}
+    for guard in guards:
+        for m in guard.norms if norms else ():
+            for name in _STAT_BUFFERS:
+                if (id(m), name) not in swaps and _initialised(m._buffers.get(name)):
+                    swaps[(id(m), name)] = (m, name, m._buffers[name].clone())
+        for (m, name), before in guard.snapshot.items():
+            swaps.setdefault((id(m), name), (m, name, before.clone()))
+    originals = []
+    for m, name, copy in swaps.values():
+        originals.append((m, name, m._buffers.get(name)))
+        m._buffers[name] = copy
+    try:
+        yield
+    finally:
+        for m, name, buf in reversed(originals):
+            m._buffers[name] = buf
+
+
+# --- regions --------------------------------------------------------------------------
+
+
+def _autocast_state(device_type: str) -> tuple:
+    types = dict.fromkeys((device_type, "cpu"))
+    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
+                 if torch.amp.is_autocast_available(t)) + (torch.is_autocast_cache_enabled(),)
+
+
+@contextlib.contextmanager
+def _autocast(state: tuple) -> Iterator[None]:
+    *per_device, cache = state
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in per_device:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                               cache_enabled=cache))
+        yield
+
+
+def _device_type(tensors: list[torch.Tensor]) -> str:
+    for t in tensors:
+        if t.device.type not in ("cpu", "meta"):
+            return t.device.type
+    return "cpu"
+
+
+@dataclass(eq=False)
+class _Call:
+    """One recorded call of a region: how to run it again."""
+
+    path: str
+    fn: Callable[..., Any]
+    spec: Any
+    sources: list[tuple]  # ("c", constant) | ("e", external index) | ("o", call, leaf)
+    cpu_rng: torch.Tensor
+    device_type: str
+    devices: list[int]
+    device_rng: list[torch.Tensor]
+    autocast: tuple
+    guard: _StateGuard
+
+
+class _Tape:
+    """What a region's replay needs. Held by the checkpoint frame (``recompute_fn``); holds
+    no reference to the frame or the region, so freeing the autograd graph frees it."""
+
+    def __init__(self, label: str, strategy: str, recompute_ctx: Any,
+                 unpack: Callable[[Any], torch.Tensor] | None) -> None:
+        self.label = label
+        self.strategy = strategy
+        self.recompute_ctx = recompute_ctx
+        self.unpack = unpack
+        self.calls: list[_Call] = []
+        self.externals: list[Any] = []
+        self.versions: list[int | None] = []
+        self.current = label
+
+    def replay(self, *_inputs: Any) -> None:
+        """Run the region's calls again (torch calls this from its unpack hook)."""
+        with _recomputing():
+            try:
+                self._replay()
+            except (_ckpt._StopRecomputationError, RecomputeError):
+                raise
+            except _ckpt.CheckpointError as err:
+                self.raise_named(err)
+            except Exception as err:
+                if hasattr(err, "add_note"):
+                    err.add_note(f"remat: raised while recomputing '{self.current}' "
+                                 f"(strategy '{self.strategy}')")
+                raise
+
+    def _replay(self) -> None:
+        values = []
+        for i, (kept, version) in enumerate(zip(self.externals, self.versions, strict=True)):
+            value = self.unpack(kept) if self.unpack is not None else kept
+            if version is not None and value._version != version:
+                raise RecomputeError(
+                    f"remat: an input (argument tensor {i}) of the recomputed unit "
+                    f"'{self.label}' (strategy '{self.strategy}') was changed in place after "
+                    "its forward call, so its recompute would see other values. Make the "
+                    "in-place operation out-of-place (e.g. inplace=False, x = x + y).")
+            values.append(value)
+        devices = sorted({d for call in self.calls for d in call.devices})
+        device_type = next((c.device_type for c in self.calls if c.devices), "cuda")
+        outputs: list[list[Any]] = []
+        with torch.random.fork_rng(devices=devices, device_type=device_type), \
+                _replaying([call.guard for call in self.calls],
+                           getattr(self.recompute_ctx, "rewrites_state", True)), \
+                self.recompute_ctx:
+            for call in self.calls:
+                self.current = call.path
+                torch.set_rng_state(call.cpu_rng)
+                if call.devices:
+                    _ckpt.set_device_states(call.devices, call.device_rng,
+                                            device_type=call.device_type)
+                leaves = [s[1] if s[0] == "c" else values[s[1]] if s[0] == "e"
+                          else outputs[s[1]][s[2]] for s in call.sources]
+                args, kwargs = tree_unflatten(leaves, call.spec)
+                with _autocast(call.autocast):
+                    out = call.fn(*args, **kwargs)
+                outputs.append(tree_flatten(out)[0])
+
+    def raise_named(self, err: BaseException) -> None:
+        """``unpack_error_cb`` of the frame: torch's mismatch error, naming the unit."""
+        if isinstance(err, RecomputeError):
+            raise err
+        raise RecomputeError(
+            f"remat: recomputing '{self.current}' (strategy '{self.strategy}') did not save "
+            "the same tensors as its forward did. Likely causes: the unit's forward depends "
+            "on data or state that changed between forward and backward (a data-dependent "
+            "router or branch, a counter, cache or buffer the forward mutates, a module "
+            "switched between train() and eval() before backward), or a nondeterministic op. "
+            "Leave this module out of model.stages, or make its forward depend only on its "
+            f"inputs and parameters. torch said: {err}") from err
+
+
+class Region:
+    """One checkpointed segment: the calls that share a checkpoint frame (module
+    docstring). ``label`` names it in errors (a unit path, or ``chain[start:end]``)."""
+
+    def __init__(self, strategy: Any, label: str, segment: int | None = None) -> None:
+        contexts = strategy.checkpoint_contexts
+        forward_ctx, recompute_ctx = (contexts() if contexts is not None
+                                      else (contextlib.nullcontext(), contextlib.nullcontext()))
+        hooks = strategy.boundary_hooks()
+        self._pack = hooks[0] if hooks is not None else None
+        self.tape = _Tape(label, strategy.name, recompute_ctx,
+                          hooks[1] if hooks is not None else None)
+        self.forward_ctx = forward_ctx
+        early_stop = (_ckpt._enable_checkpoint_early_stop
+                      if _ckpt._enable_checkpoint_early_stop is not None else True)
+        self.frame = _ckpt._CheckpointFrame(
+            self.tape.replay, early_stop, self.tape.raise_named,
+            _ckpt._allowed_determinism_checks_to_fns[_ckpt._DEFAULT_DETERMINISM_MODE])
+        self.segment = segment
+        self.last_index = -1
+        self._outputs: list[list[tuple[weakref.ref, int] | None]] = []
+        self._externals: dict[int, tuple[weakref.ref, int]] = {}
+
+    def _source(self, t: torch.Tensor) -> tuple:
+        for ci in range(len(self._outputs) - 1, -1, -1):
+            for li, entry in enumerate(self._outputs[ci]):
+                if entry is not None and entry[0]() is t and t._version == entry[1]:
+                    return ("o", ci, li)
+        hit = self._externals.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return ("e", hit[1])
+        tape = self.tape
+        index = len(tape.externals)
+        if self._pack is not None:
+            tape.externals.append(self._pack(t))
+            tape.versions.append(None)  # a copy: later in-place changes do not reach it
+        else:
+            tape.externals.append(t)
+            tape.versions.append(t._version)
+        self._externals[id(t)] = (weakref.ref(t), index)
+        return ("e", index)
+
+    def call(self, module: nn.Module, wrap: Any, forward: Callable[..., Any], args: tuple,
+             kwargs: dict) -> Any:
+        """Run one call of a unit inside this region and record how to replay it."""
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        sources = [self._source(leaf) if isinstance(leaf, torch.Tensor) else ("c", leaf)
+                   for leaf in leaves]
+        device_type = _device_type(tensors)
+        devices, device_rng = (_ckpt.get_device_states(*tensors) if device_type != "cpu"
+                               else ([], []))
+        if wrap.state is None:
+            wrap.state = UnitState()
+        guard = _StateGuard(module, wrap.state)
+        self.tape.calls.append(_Call(wrap.path, forward, spec, sources, torch.get_rng_state(),
+                                     device_type, devices, device_rng,
+                                     _autocast_state(device_type), guard))
+        with _ckpt._checkpoint_hook(self.frame), self.forward_ctx:
+            out = forward(*args, **kwargs)
+        self.frame.forward_completed = True
+        guard.finish()
+        if getattr(self.forward_ctx, "saves_nothing", False):
+            wrap.state.plain = True
+        self._outputs.append([(weakref.ref(t), t._version) if isinstance(t, torch.Tensor)
+                              else None for t in tree_flatten(out)[0]])
+        return out
+
+
+class ChainPlan:
+    """The planned segments of one chain stage and the segment region open now.
+
+    Args:
+        path: the chain's dotted path.
+        bounds: half-open member ranges, one per segment, partitioning the chain.
+    """
+
+    def __init__(self, path: str, bounds: list[tuple[int, int]]) -> None:
+        self.path = path
+        self.bounds = list(bounds)
+        self.segment_of = [i for i, (start, end) in enumerate(self.bounds)
+                           for _ in range(start, end)]
+        self._open: Region | None = None
+
+    def region_for(self, strategy: Any, wrap: Any) -> Region:
+        """The region a call of member ``wrap.index`` joins: the open region of its segment
+        if the call moves forward in it, else a new one."""
+        segment = self.segment_of[wrap.index]
+        start, end = self.bounds[segment]
+        region = self._open
+        if region is None or region.segment != segment or wrap.index <= region.last_index:
+            label = wrap.path if end - start == 1 else f"{self.path}[{start}:{end}]"
+            region = Region(strategy, label, segment)
+        region.last_index = wrap.index
+        self._open = region if wrap.index < end - 1 else None
+        return region
+
+    def close(self) -> None:
+        """End the open segment (after the model's forward): later calls start new ones."""
+        self._open = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_open": None}
+
+
+def _checkpoint_call(forward: Callable[..., Any], args: tuple, kwargs: dict,
+                     context_fn: Callable[[], tuple] | None) -> Any:
+    """``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` of one call (keyword
+    arguments bound first, so they cannot clash with checkpoint's own)."""
+    fn = functools.partial(forward, **kwargs) if kwargs else forward
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return _ckpt.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra)
+
+
+def _public_checkpoint(strategy: Any, module: nn.Module, wrap: Any,
+                       forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Fallback for a torch without the frame internals: one plain checkpoint per call
+    (segments of a chain are then not shared, and errors do not name the unit)."""
+    if wrap.state is None:
+        wrap.state = UnitState()
+    guard = _StateGuard(module, wrap.state)
+
+    @contextlib.contextmanager
+    def replaying(recompute_ctx: Any) -> Iterator[None]:
+        with _recomputing(), _replaying([guard]), recompute_ctx:
+            yield
+
+    def contexts() -> tuple:
+        forward_ctx, recompute_ctx = (strategy.checkpoint_contexts()
+                                      if strategy.checkpoint_contexts is not None
+                                      else (contextlib.nullcontext(), contextlib.nullcontext()))
+        return forward_ctx, replaying(recompute_ctx)
+
+    out = _checkpoint_call(forward, args, kwargs, contexts)
+    guard.finish()
+    return out
+
+
+def run_recomputed(strategy: Any, module: nn.Module, wrap: Any, forward: Callable[..., Any],
+                   args: tuple, kwargs: dict) -> Any:
+    """The runner of every recomputing strategy (``full``, ``sqrtn``, ``every_k``,
+    ``selective``, ``offload`` with segments): one training call with grad of a unit.
+
+    Raises:
+        StageError: the unit holds a SyncBatchNorm that would sync again in the recompute.
+    """
+    args, kwargs = drop_cache(module, wrap.path, args, kwargs)
+    if torch.compiler.is_compiling():
+        return _checkpoint_call(forward, args, kwargs, strategy.compile_context_fn())
+    if _inside_checkpoint():
+        return forward(*args, **kwargs)
+    wrap.calls += 1
+    refuse_sync_batchnorm(module, wrap.path)
+    if wrap.state is not None and wrap.state.plain:
+        return forward(*args, **kwargs)
+    if not _HAS_FRAMES:  # pragma: no cover - older torch
+        return _public_checkpoint(strategy, module, wrap, forward, args, kwargs)
+    region = (wrap.chain.region_for(strategy, wrap) if wrap.chain is not None
+              else Region(strategy, wrap.path))
+    return region.call(module, wrap, forward, args, kwargs)

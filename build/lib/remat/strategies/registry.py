@@ -1,0 +1,42 @@
+"""Name -> strategy class, and :func:`build_strategy`, the Python twin of the Hydra group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remat.strategies.base import CheckpointStrategy
+from remat.strategies.compiled import CompileBudget
+from remat.strategies.every_k import EveryK
+from remat.strategies.full import FullCheckpoint
+from remat.strategies.none import NoCheckpoint
+from remat.strategies.offload import OffloadCheckpoint
+from remat.strategies.selective import SelectiveCheckpoint
+from remat.strategies.sqrtn import SqrtN
+from remat.strategies.timm_native import TimmNative
+
+STRATEGIES: dict[str, type[CheckpointStrategy]] = {
+    cls.name: cls for cls in (NoCheckpoint, FullCheckpoint, SqrtN, EveryK, SelectiveCheckpoint,
+                              OffloadCheckpoint, CompileBudget, TimmNative)
+}
+
+
+def build_strategy(name: str, **overrides: Any) -> CheckpointStrategy:
+    """Build a strategy by registry name, as ``configs/strategy/<name>.yaml`` does.
+
+    Args:
+        name: one of :data:`STRATEGIES` (``none``, ``full``, ``sqrtn``, ``every_k``,
+            ``selective``, ``offload``, ...).
+        **overrides: constructor arguments, e.g. ``k=4`` for ``every_k``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones) or bad arguments.
+    """
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        valid = ", ".join(sorted(STRATEGIES))
+        raise ValueError(f"unknown strategy '{name}'; valid strategies: {valid}") from None
+    try:
+        return cls(**overrides)
+    except TypeError as err:
+        raise ValueError(f"strategy '{name}' does not take {sorted(overrides)}: {err}") from err

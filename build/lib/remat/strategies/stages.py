@@ -1,0 +1,83 @@
+"""Stage resolution: turn dotted paths with globs into the modules a strategy wraps."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+
+class StageError(ValueError):
+    """A stage path matched nothing, or matched a module the strategy cannot wrap."""
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Match per dotted component, so ``encoder.layer*`` does not reach ``encoder.layer1.0``."""
+    p_parts, n_parts = pattern.split("."), name.split(".")
+    return len(p_parts) == len(n_parts) and all(
+        fnmatchcase(n, p) for p, n in zip(p_parts, n_parts, strict=True)
+    )
+
+
+def as_stage_list(stages: Any) -> list[str]:
+    """``stages`` as a list of paths: a bare string is one path; ``None`` is no stage.
+
+    Raises:
+        StageError: ``stages`` is neither a string nor an iterable of strings.
+    """
+    if stages is None:
+        return []
+    if isinstance(stages, str):
+        return [stages]
+    try:
+        return list(stages)
+    except TypeError:
+        raise StageError(f"stages must be a dotted module path or a list of them (e.g. "
+                         f"[encoder.layer1, encoder.layer2]), got {stages!r}") from None
+
+
+def resolve_stages(model: nn.Module, stages: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    """Resolve stage patterns against ``model.named_modules()``.
+
+    Args:
+        model: any module.
+        stages: dotted module paths; each component may hold ``fnmatch`` globs
+            (``encoder.layer*``, ``blocks``, ``encoder.model.stages_?``).
+
+    Returns:
+        ``(path, module)`` pairs in model order, without duplicates.
+
+    Raises:
+        StageError: a pattern matches no module (the message lists close names), or one
+            matched stage lies inside another (nested checkpointing would recompute twice).
+    """
+    stages = as_stage_list(stages)
+    named = dict(model.named_modules())
+    named.pop("", None)
+    order = {name: i for i, name in enumerate(named)}
+    found: dict[str, nn.Module] = {}
+    for pattern in stages:
+        if not isinstance(pattern, str) or not pattern:
+            raise StageError(f"stage paths must be non-empty strings, got {pattern!r}")
+        hits = [name for name in named if _matches(pattern, name)]
+        if not hits:
+            close = difflib.get_close_matches(pattern, list(named), n=5, cutoff=0.5)
+            hint = f"; close matches: {', '.join(close)}" if close else ""
+            top = sorted({name.split(".")[0] for name in named})
+            raise StageError(
+                f"stage '{pattern}' matches no module of {type(model).__name__}{hint}. "
+                f"Top-level modules: {', '.join(top)}"
+            )
+        for name in hits:
+            found[name] = named[name]
+    names = sorted(found, key=order.__getitem__)
+    for outer in names:
+        for inner in names:
+            if inner != outer and inner.startswith(outer + "."):
+                raise StageError(
+                    f"stage '{inner}' lies inside stage '{outer}'; list one or the other"
+                )
+    return [(name, found[name]) for name in names]

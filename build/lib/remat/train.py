@@ -1,0 +1,139 @@
+"""Training entry point: ``python train.py ...``, ``python -m remat.train ...`` or
+``remat-train ...``.
+
+``train(cfg)`` is a plain function (the tests call it with a composed config); ``main`` is
+the thin Hydra wrapper around it. The run's bookkeeping lives in callbacks
+(:mod:`remat.callbacks`): ``summary.json`` (:class:`~remat.callbacks.RunSummary`), the last
+checkpoint and signal handling (:class:`~remat.callbacks.LastCheckpoint`), the RNG and
+loader state for resuming (:class:`~remat.callbacks.ResumeState`), the monitor check
+(:class:`~remat.callbacks.MonitorCheck`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from omegaconf import DictConfig, OmegaConf
+
+from remat.callbacks import LastCheckpoint, RunSummary, failure_summary, write_json
+from remat.callbacks.run_dir import run_dir_claimed
+from remat.config import check_top_level, config_dir
+from remat.models.checks import check_checkpoint_fits, check_model_fits_data, read_checkpoint
+
+log = logging.getLogger(__name__)
+
+# ckpt_path values Lightning resolves itself
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
+
+
+def instantiate_group(group: DictConfig | None, kind: str) -> list[Any]:
+    """Instantiate every ``_target_`` entry of a ``callbacks``/``logger`` group (a mapping of
+    name -> config; ``null`` entries are switched off).
+
+    Raises:
+        TypeError: the group is not a mapping (names ``kind``).
+    """
+    if not group:
+        return []
+    if not isinstance(group, DictConfig):
+        raise TypeError(f"{kind} config must be a mapping of name -> config, got "
+                        f"{type(group).__name__}")
+    return [instantiate(conf) for _, conf in group.items()
+            if isinstance(conf, DictConfig) and "_target_" in conf]
+
+
+def _choice(group: str) -> str | None:
+    """The config group option chosen (``model=gpt_tiny`` -> ``gpt_tiny``), if under Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.get(group)
+    except ValueError:  # no Hydra app around this call
+        return None
+
+
+def _exit_code(err: BaseException, callbacks: list[Any]) -> int | None:
+    """128 + the signal number for a run stopped by SIGTERM/SIGINT (shell convention), else
+    None (the error propagates as it is)."""
+    if not isinstance(err, SIGTERMException | KeyboardInterrupt | SystemExit):
+        return None
+    last = next((c for c in callbacks if isinstance(c, LastCheckpoint)), None)
+    name = getattr(last, "received_signal", None)
+    if name is None:
+        if isinstance(err, SIGTERMException):
+            name = "SIGTERM"
+        elif isinstance(err, KeyboardInterrupt):
+            name = "SIGINT"
+        else:
+            return None
+    return 128 + int(getattr(signal, name))
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train the configured model; return the run summary (also in ``summary.json``).
+
+    Writes into ``cfg.paths.output_dir`` (claimed for this process first, see
+    :func:`remat.callbacks.claim_run_dir`): ``config.yaml`` (resolved), logs,
+    ``checkpoints/last.ckpt`` and the best checkpoint by ``cfg.monitor``, ``summary.json``.
+    A run that fails still writes ``summary.json`` with ``status: failed`` and the error;
+    one stopped by SIGTERM/SIGINT writes ``status: interrupted`` and a checkpoint, and exits
+    with ``128 + signal number`` (``SystemExit``).
+
+    Raises:
+        remat.callbacks.RunDirInUse: another live run holds the output folder.
+        ValueError: bad top-level keys (``seed``, ``precision``, ``accumulate_grad_batches``),
+            a model that does not fit the data (kinds, ``num_classes``, ``in_channels``), a
+            ``ckpt_path`` of another model, a ``monitor`` key not logged in validation (after
+            the first validation), or any error of the data, model or strategy configs.
+        SystemExit: the run was stopped by a signal.
+    """
+    out = Path(cfg.paths.output_dir)
+    with run_dir_claimed(out):
+        callbacks: list[Any] = []
+        trainer_started = False
+        try:
+            check_top_level(cfg)
+            OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+            L.seed_everything(cfg.seed, workers=True)
+            datamodule = instantiate(cfg.data)
+            model = instantiate(cfg.model, strategy=instantiate(cfg.strategy))
+            check_model_fits_data(model, datamodule, _choice("model"), _choice("data"))
+            ckpt_path = cfg.get("ckpt_path")
+            if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES:
+                check_checkpoint_fits(model, read_checkpoint(ckpt_path), ckpt_path)
+            callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
+            trainer = instantiate(cfg.trainer, callbacks=callbacks,
+                                  logger=instantiate_group(cfg.get("logger"), "logger") or False)
+            trainer_started = True
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+        except BaseException as err:
+            summary_cb = next((c for c in callbacks if isinstance(c, RunSummary)), None)
+            if not trainer_started or summary_cb is None or summary_cb.summary is None:
+                write_json(out / "summary.json", failure_summary(cfg, err))
+            code = _exit_code(err, callbacks)
+            if code is not None:
+                raise SystemExit(code) from err
+            raise
+        summary_cb = next((c for c in callbacks if isinstance(c, RunSummary)), None)
+        if summary_cb is None or summary_cb.summary is None:
+            raise RuntimeError("callbacks.run_summary is missing: summary.json was not written "
+                               "(keep the run_summary callback in the callbacks config)")
+        return summary_cb.summary
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra app; returns the monitored metric's best value (for sweepers)."""
+    summary = train(cfg)
+    return summary.get("best_model_score")
+
+
+if __name__ == "__main__":
+    main()

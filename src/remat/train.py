@@ -112,7 +112,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             trainer = instantiate(cfg.trainer, callbacks=callbacks,
                                   logger=instantiate_group(cfg.get("logger"), "logger") or False)
             trainer_started = True
-            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path,
+                        weights_only=True)  # a checkpoint is read as data, never run
         except BaseException as err:
             summary_cb = next((c for c in callbacks if isinstance(c, RunSummary)), None)
             if not trainer_started or summary_cb is None or summary_cb.summary is None:

@@ -22,14 +22,17 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from remat.data.sizes import as_pair
+
 
 class ViTSegmenter(nn.Module):
     """ViT encoder + progressive upsampling decoder: ``[B, in_channels, H, W]`` ->
     logits ``[B, num_classes, H, W]``; ``H`` and ``W`` must be multiples of ``patch_size``.
 
     Args:
-        img_size: side of the training images (px); sizes the learned position table, which
-            timm resamples for other multiples of ``patch_size`` (``dynamic_img_size``).
+        img_size: side of the training images, or ``[h, w]`` (px); sizes the learned position
+            table, which timm resamples for other multiples of ``patch_size``
+            (``dynamic_img_size``).
         patch_size: patch side (px), 16 as in ViT-B/16.
         in_channels, num_classes: input channels; output channels (1 for binary).
         embed_dim, depth, num_heads, mlp_ratio: encoder width, blocks, heads, MLP ratio
@@ -46,18 +49,21 @@ class ViTSegmenter(nn.Module):
             and ``data.image_size``).
     """
 
-    def __init__(self, img_size: int = 1024, patch_size: int = 16, in_channels: int = 3,
+    def __init__(self, img_size: int | Sequence[int] = 1024, patch_size: int = 16,
+                 in_channels: int = 3,
                  num_classes: int = 1, embed_dim: int = 192, depth: int = 12,
                  num_heads: int = 3, mlp_ratio: float = 4.0,
                  decoder_channels: Sequence[int] = (128, 64), drop_rate: float = 0.0,
                  attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0) -> None:
         super().__init__()
-        if min(img_size, patch_size, in_channels, num_classes, embed_dim, depth,
+        shown = img_size if isinstance(img_size, int) else list(img_size)
+        img_size = as_pair(img_size, "model.net.img_size")  # a side or [h, w] (px)
+        if min(*img_size, patch_size, in_channels, num_classes, embed_dim, depth,
                num_heads) < 1:
             raise ValueError("ViTSegmenter sizes (img_size, patch_size, in_channels, "
                              "num_classes, embed_dim, depth, num_heads) must all be >= 1")
-        if img_size % patch_size:
-            raise ValueError(f"model.net.img_size={img_size} is not divisible by "
+        if img_size[0] % patch_size or img_size[1] % patch_size:
+            raise ValueError(f"model.net.img_size={shown} is not divisible by "
                              f"model.net.patch_size={patch_size}; use a multiple of {patch_size}")
         if embed_dim % num_heads:
             raise ValueError(f"model.net.embed_dim={embed_dim} must be divisible by "

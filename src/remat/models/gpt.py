@@ -8,6 +8,7 @@ the token embedding (Press & Wolf 2017). No key/value cache: this model is for t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +101,35 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def sample_tokens(logits_fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
+                  new_tokens: int, block_size: int, temperature: float = 1.0,
+                  top_k: int | None = None,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample ``new_tokens`` tokens after the prompt ``idx`` ``[B, T0]`` (int64).
+
+    Each step runs ``logits_fn`` (``[B, T]`` -> ``[B, T, vocab]``) on the last
+    ``block_size`` tokens (no key/value cache) and samples from ``softmax(logits /
+    temperature)``, restricted to the ``top_k`` likeliest when given, with ``generator``
+    (so the global RNG is not consumed). The loop of :meth:`GPT.generate`, for any network
+    (``SequenceModule`` samples every network with it). Returns ``[B, T0 + new_tokens]``.
+    Call with the network in ``eval()`` mode.
+
+    Raises:
+        ValueError: ``temperature <= 0``, ``top_k < 1`` or ``block_size < 1``.
+    """
+    if temperature <= 0 or (top_k is not None and top_k < 1) or block_size < 1:
+        raise ValueError(f"sampling needs temperature > 0, top_k >= 1 or None and "
+                         f"block_size >= 1, got {temperature}, {top_k}, {block_size}")
+    for _ in range(new_tokens):
+        logits = logits_fn(idx[:, -block_size:])[:, -1].float() / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    return idx
+
+
 class GPT(nn.Module):
     """Decoder-only language model: token ids ``[B, T]`` (int64) -> logits ``[B, T, vocab]``.
 
@@ -173,14 +203,5 @@ class GPT(nn.Module):
         Raises:
             ValueError: ``temperature <= 0`` or ``top_k < 1``.
         """
-        if temperature <= 0 or (top_k is not None and top_k < 1):
-            raise ValueError(f"generate needs temperature > 0 and top_k >= 1 or None, got "
-                             f"{temperature}, {top_k}")
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.block_size:])[:, -1].float() / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-        return idx
+        return sample_tokens(self, idx, new_tokens, self.block_size, temperature, top_k,
+                             generator)

@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from remat.models.base import StrategyModule
 from remat.models.checks import require_keys
-from remat.models.gpt import GPT
+from remat.models.gpt import GPT, sample_tokens
 from remat.models.hf import causal_lm_logits, config_vocab_size, is_hf_model
 from remat.strategies import CheckpointStrategy
 
@@ -49,34 +49,6 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_ste
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
-
-
-def sample_tokens(logits_fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
-                  new_tokens: int, block_size: int, temperature: float = 1.0,
-                  top_k: int | None = None,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sample ``new_tokens`` tokens after the prompt ``idx`` ``[B, T0]`` (int64).
-
-    Each step runs ``logits_fn`` (``[B, T]`` -> ``[B, T, vocab]``) on the last
-    ``block_size`` tokens (no key/value cache) and samples from ``softmax(logits /
-    temperature)``, restricted to the ``top_k`` likeliest when given, with ``generator``
-    (so the global RNG is not consumed). The same loop as :meth:`GPT.generate`, for any
-    network. Returns ``[B, T0 + new_tokens]``. Call with the network in ``eval()`` mode.
-
-    Raises:
-        ValueError: ``temperature <= 0``, ``top_k < 1`` or ``block_size < 1``.
-    """
-    if temperature <= 0 or (top_k is not None and top_k < 1) or block_size < 1:
-        raise ValueError(f"sampling needs temperature > 0, top_k >= 1 or None and "
-                         f"block_size >= 1, got {temperature}, {top_k}, {block_size}")
-    for _ in range(new_tokens):
-        logits = logits_fn(idx[:, -block_size:])[:, -1].float() / temperature
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-    return idx
 
 
 class SequenceModule(StrategyModule):

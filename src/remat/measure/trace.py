@@ -167,7 +167,9 @@ def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tupl
     is tested against). A model whose construction calls data-dependent ops (timm's
     ``trunc_normal_`` init: ``aten._local_scalar_dense``), which FakeTensorMode refuses, is
     built on the ``meta`` device instead and turned into fake tensors by :func:`materialize`
-    (same shapes and dtypes; values do not matter to a fake trace).
+    (same shapes and dtypes; values do not matter to a fake trace); one whose construction
+    cannot run on ``meta`` either (MONAI's SwinUNETR reads ``.item()`` of a ``linspace``)
+    is built for real on the CPU once and traced as a meta copy.
     ``size`` is a side (px), a sequence length (tokens) or an ``(h, w)`` image size.
     Returns ``(strategy name, PeakMemory)``.
     """
@@ -203,8 +205,15 @@ def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tupl
         except Exception as err:
             if not (fake and _data_dependent(err)):
                 raise
-        with torch.device("meta"):
-            skeleton = build()
+        try:
+            with torch.device("meta"):
+                skeleton = build()
+        except Exception as err:  # noqa: BLE001 - e.g. ``.item()`` at init (MONAI's Swin)
+            if "meta" not in str(err) and not _data_dependent(err):
+                raise
+            # last resort: build for real on the CPU (parameters allocated once, in this
+            # child process), then trace a meta copy of it
+            skeleton = meta_clone(build())
         with FakeTensorMode(), dev():
             return run(lambda: materialize(skeleton, device))
 

@@ -22,8 +22,10 @@ def _single_process_grads(strategy: str, samples: int) -> dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize("strategy,accumulate,launcher", [
-    ("none", 1, "ddp"), ("full", 1, "ddp"), ("sqrtn", 2, "ddp"), ("selective", 2, "ddp"),
-    ("offload", 1, "ddp"),
+    ("sqrtn", 2, "ddp"), ("selective", 2, "ddp"), ("offload", 1, "ddp"),
+    # none and full take the same path as the rows above (one region per unit): test-all
+    pytest.param("none", 1, "ddp", marks=pytest.mark.slow),
+    pytest.param("full", 1, "ddp", marks=pytest.mark.slow),
     # ddp_spawn pickles the wrapped module into each process (every strategy's pickling is
     # tested in-process: tests/strategies/test_mechanism.py)
     ("every_k", 2, "ddp_spawn"),

@@ -33,8 +33,11 @@ def _within(predicted, measured, rel=0.10):
     return abs(predicted.peak_bytes - measured.peak_bytes) <= rel * measured.peak_bytes
 
 
-@pytest.mark.parametrize("size", [64, 128])
-@pytest.mark.parametrize("strategy", TRACEABLE)
+@pytest.mark.parametrize("strategy,size", [
+    *[(s, 64) for s in TRACEABLE],
+    # the longer context for two strategies here, for all of them in test-all
+    *[(s, 128) if s in ("strategy=full", "strategy=sqrtn")
+      else pytest.param(s, 128, marks=pytest.mark.slow) for s in TRACEABLE]])
 def test_gpt_estimate_within_10_percent_of_measured(tmp_path, strategy, size):
     predicted, measured = _pair(tmp_path, [*GPT, *strategy.split(), "data.batch_size=2",
                                            f"+data.block_size={size}"])
@@ -187,7 +190,10 @@ TRAIN_RUNS = {
 }
 
 
-@pytest.mark.parametrize("run", ["gpt", "gpt_bf16", "vit", "isbi"])
+@pytest.mark.parametrize("run", [
+    "gpt", "gpt_bf16", "isbi",
+    # the timm ViT's fake build is tested in test_timm_vit_segmenter_is_estimated
+    pytest.param("vit", marks=pytest.mark.slow)])
 def test_estimate_at_train_start_is_within_10_percent_of_measured(tmp_path, run, request):
     roots = {"gpt": "shakespeare_root", "gpt_bf16": "shakespeare_root", "vit": "kvasir_root",
              "isbi": "isbi_root"}

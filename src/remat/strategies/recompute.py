@@ -168,10 +168,12 @@ def drop_cache(module: nn.Module, path: str, args: tuple, kwargs: dict
     new_args = tuple(drop(names[i] if i < len(names) else None, v) for i, v in enumerate(args))
     new_kwargs = {k: drop(k, v) for k, v in kwargs.items()}
     if changed:
+        why = ("a key/value cache would be appended to twice" if changed != ["use_cache=False"]
+               else "a cache it filled would be filled again by the recompute")
         _warn_once(type(module).__qualname__,
                    f"remat: {type(module).__name__} at '{path}' is recomputed in training, and "
-                   f"a key/value cache would be appended to twice; it runs with "
-                   f"{', '.join(changed)} (as Hugging Face's own gradient checkpointing does)")
+                   f"{why}; it runs with {', '.join(changed)} (as Hugging Face's own "
+                   "gradient checkpointing does)")
     return new_args, new_kwargs
 
 

@@ -4,7 +4,9 @@ The call patterns are the ones real models use (see ``src/remat/strategies/recom
 a plain loop, a loop that keeps every block's output (MONAI UNETR's skips, Hugging Face's
 ``output_hidden_states``), parallel heads fed the same input, code between the blocks that
 draws random numbers (layer drop, dropout in the parent), keyword arguments and tuple
-returns (Hugging Face layers), the same block called twice, and forward hooks on a block.
+returns (Hugging Face layers), the same block called twice, dense connections (DenseNet),
+in-place changes between blocks, blocks called by index in another order, two chains
+called alternately, and forward hooks on a block.
 """
 
 from __future__ import annotations
@@ -118,6 +120,48 @@ class Twice(Loop):
         return x
 
 
+class Dense(Loop):
+    """DenseNet style: every block reads the sum of all earlier outputs (and the input)."""
+
+    def forward(self, x):
+        feats = [x]
+        for blk in self.blocks:
+            feats.append(blk(sum(feats)))
+        return feats[-1]
+
+
+class InPlaceBetween(Loop):
+    """The parent changes a block's output in place before the next block reads it."""
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+            x.mul_(0.5)
+        return x
+
+
+class SubsetReversed(Loop):
+    """Some blocks only, in reverse order (a parent that indexes its ModuleList)."""
+
+    def forward(self, x):
+        for i in (5, 3, 2, 0):
+            x = self.blocks[i](x)
+        return x
+
+
+class Interleaved(Loop):
+    """Two chains called alternately: ``b[i](a[i](x))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = nn.ModuleList(Block() for _ in range(6))
+
+    def forward(self, x):
+        for a, b in zip(self.blocks, self.other, strict=True):
+            x = b(a(x))
+        return x
+
+
 class Pair(NamedTuple):
     main: torch.Tensor
     aux: torch.Tensor
@@ -154,7 +198,10 @@ class WithHead(Loop):
 PATTERNS = {"loop": (Loop, ["blocks"]), "collect": (Collect, ["blocks"]),
             "parallel": (Parallel, ["blocks"]), "random_between": (RandomBetween, ["blocks"]),
             "keywords": (Keywords, ["layers"]), "twice": (Twice, ["blocks"]),
-            "module_stage": (WithHead, ["blocks", "head"])}
+            "module_stage": (WithHead, ["blocks", "head"]), "dense": (Dense, ["blocks"]),
+            "in_place_between": (InPlaceBetween, ["blocks"]),
+            "subset_reversed": (SubsetReversed, ["blocks"]),
+            "interleaved": (Interleaved, ["blocks", "other"])}
 
 
 def _steps(model, x, steps=2):

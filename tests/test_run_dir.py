@@ -53,6 +53,32 @@ def test_a_run_whose_folder_is_in_use_fails_before_writing_anything(tmp_path):
     assert sorted(p.name for p in busy.iterdir()) == [".lock"]  # no .hydra/, no log
 
 
+def test_a_finished_run_is_neither_overwritten_nor_wiped_by_a_resume(tmp_path):
+    run = tmp_path / "run"
+    first = _start(tmp_path, f"hydra.run.dir={run}")
+    _, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-2000:]
+    files = {p.name: p.read_bytes() for p in [run / "summary.json", run / "config.yaml",
+                                              run / "checkpoints" / "last.ckpt"]}
+    assert json.loads(files["summary.json"])["metrics"]  # a real summary to keep
+
+    # a new run (no ckpt_path) into the finished run's folder: refused before writing
+    again = _start(tmp_path, f"hydra.run.dir={run}")
+    _, err = again.communicate(timeout=600)
+    assert again.returncode != 0
+    assert f"output folder {run} already holds a run with status 'completed'" in err
+    assert "ckpt_path=" in err
+
+    # resuming the finished run trains nothing and keeps its summary as it was
+    last = run / "checkpoints" / "last.ckpt"
+    resumed = _start(tmp_path, f"hydra.run.dir={run}", f"ckpt_path={last}")
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-2000:]
+    assert "nothing to train" in out + err
+    assert (run / "summary.json").read_bytes() == files["summary.json"]
+    assert last.read_bytes() == files["last.ckpt"]
+
+
 def test_train_claims_its_folder_and_the_same_process_may_claim_again(tmp_path):
     folder = claim_run_dir(tmp_path / "a")
     assert claim_run_dir(tmp_path / "a") == folder  # counted, not refused

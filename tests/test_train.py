@@ -66,6 +66,24 @@ def test_resume_from_last_checkpoint_continues(tmp_path):
     assert resumed["global_step"] == 4 and resumed["epochs"] == 2
 
 
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_last_checkpoint_holds_the_current_best_record(tmp_path, mode):
+    """last.ckpt is written at the same validation end as the best checkpoint; the
+    ModelCheckpoint state inside it must already name this epoch's best (a resumed run
+    takes its best from there), not the one before."""
+    summary = train(compose_train(tmp_path, [*TINY, "trainer.max_epochs=3",
+                                             "monitor=val/loss", f"monitor_mode={mode}"]))
+    ck = torch.load(summary["last_model_path"], weights_only=False, map_location="cpu")
+    record = next(v for k, v in ck["callbacks"].items() if k.startswith("ModelCheckpoint"))
+    losses = [float(r["val/loss"]) for r in csv.DictReader(
+        (tmp_path / "csv" / "metrics.csv").open()) if r.get("val/loss")]
+    best_epoch = (min if mode == "min" else max)(range(3), key=losses.__getitem__)
+    assert record["best_model_path"] == summary["best_model_path"]
+    assert record["best_model_path"].endswith(f"epoch_{best_epoch:03d}.ckpt")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch_*.ckpt")) == [
+        f"epoch_{best_epoch:03d}.ckpt"]
+
+
 def test_tiny_real_kvasir_run(tmp_path, kvasir_root):
     cfg = compose_train(tmp_path, [
         "experiment=kvasir_unet", f"data.root={kvasir_root}", "data.image_size=64",

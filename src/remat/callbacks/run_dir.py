@@ -11,6 +11,7 @@ claim a folder again). Resuming into a folder whose run has ended is allowed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 try:
@@ -100,6 +102,38 @@ def _dir(config: DictConfig, key: str) -> str | None:
     return str(value) if value else None
 
 
+def earlier_run(folder: str | Path) -> str | None:
+    """What an earlier training run left in ``folder`` (its ``summary.json`` status and step,
+    or its checkpoints), or None when the folder holds no run."""
+    folder = Path(folder)
+    summary = folder / "summary.json"
+    if summary.is_file():
+        try:
+            data = json.loads(summary.read_text())
+            return (f"a run with status {data.get('status')!r} at global step "
+                    f"{data.get('global_step')}")
+        except (OSError, ValueError, AttributeError):
+            return "a run (its summary.json is unreadable)"
+    ckpts = folder / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.glob("*.ckpt")):
+        return f"a run's checkpoints ({', '.join(sorted(p.name for p in ckpts.glob('*.ckpt')))})"
+    return None
+
+
+def _refuse_overwrite(config: DictConfig, path: str | None) -> None:
+    """A new training run (no ``ckpt_path``) never writes over an earlier run's folder."""
+    if path is None or OmegaConf.select(config, "ckpt_path", default=None):
+        return
+    found = earlier_run(path)
+    if found:
+        release_run_dir(path)
+        raise SystemExit(
+            f"error: output folder {Path(path).resolve()} already holds {found}. A new run "
+            "would overwrite its checkpoints and summary.json: resume it with "
+            f"ckpt_path={Path(path).resolve() / 'checkpoints' / 'last.ckpt'}, or pick another "
+            "hydra.run.dir")
+
+
 def _claim_or_exit(path: str | None) -> None:
     """Claim ``path``; Hydra turns a callback's ``Exception`` into a warning and goes on, so a
     folder in use ends the process here (``SystemExit`` with the message, exit code 1)."""
@@ -115,10 +149,20 @@ class RunDirLock(Callback):
     """Hydra callback: claims the run folder (``on_run_start``), the sweep folder
     (``on_multirun_start``) and each job's folder (``on_job_start``) with
     :func:`claim_run_dir`, and releases them at the matching end. A folder in use makes the
-    run fail before Hydra writes anything into it (exit code 1, the message names it)."""
+    run fail before Hydra writes anything into it (exit code 1, the message names it).
+
+    With ``protect_earlier_runs=True`` (training), a run or job folder that already holds an
+    earlier run (:func:`earlier_run`) is refused the same way unless ``ckpt_path`` is set
+    (a resume), so a finished run is never overwritten by a new one.
+    """
+
+    def __init__(self, protect_earlier_runs: bool = False) -> None:
+        self.protect_earlier_runs = bool(protect_earlier_runs)
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _claim_or_exit(_dir(config, "hydra.run.dir"))
+        if self.protect_earlier_runs:
+            _refuse_overwrite(config, _dir(config, "hydra.run.dir"))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         if (path := _dir(config, "hydra.run.dir")) is not None:
@@ -133,6 +177,9 @@ class RunDirLock(Callback):
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         _claim_or_exit(_dir(config, "hydra.runtime.output_dir"))
+        if self.protect_earlier_runs and OmegaConf.select(config, "hydra.mode",
+                                                          default=None) is RunMode.MULTIRUN:
+            _refuse_overwrite(config, _dir(config, "hydra.runtime.output_dir"))
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if (path := _dir(config, "hydra.runtime.output_dir")) is not None:

@@ -112,6 +112,15 @@ def _shape_fields(shape: Any) -> dict[str, Any]:
     return fields
 
 
+def _read_summary(path: Path) -> dict[str, Any] | None:
+    """The summary.json already in the run folder (a run being resumed), if readable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def failure_summary(cfg: DictConfig, err: BaseException) -> dict[str, Any]:
     """The summary of a run that failed before its Trainer ran, from the config alone
     (values whose interpolation fails are None)."""
@@ -235,10 +244,33 @@ class RunSummary(L.Callback):
             write_json(self.path, summary)
         return summary
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # before anything is written: a resumed run's folder may hold its finished summary
+        # (Lightning skips on_train_start when the checkpoint is at the end of training)
+        self._earlier = _read_summary(self.path) if self.resumed_from else None
+        self._trained = False
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer, pl_module, "running")
 
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._trained = True
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        earlier = getattr(self, "_earlier", None)
+        if not getattr(self, "_trained", True) and earlier and earlier.get("status") == (
+                "completed"):
+            # resumed from a checkpoint that had already reached the end of training: this
+            # fit measured and logged nothing, so the run's own summary stays as it was
+            log.warning("nothing to train: %s is already at the end of training (global step "
+                        "%d); %s kept as the run wrote it. Raise trainer.max_epochs or "
+                        "trainer.max_steps to train on", self.resumed_from,
+                        trainer.global_step, self.path)
+            self.summary = earlier
+            if trainer.is_global_zero:
+                write_json(self.path, earlier)
+            return
         self.write(trainer, pl_module, "completed")
         log.info("summary written to %s", self.path)
 

@@ -89,6 +89,7 @@ def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, shakespear
     assert killed.returncode == 128 + signal.SIGTERM, killed.stderr[-3000:]
     stopped = summary(run_dir)
     assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGTERM"
+    assert stopped["error"] == "stopped by SIGTERM"
     # the signal arrived while step+1 ran: that step completes, is saved, then the run stops
     assert stopped["global_step"] == step + 1 == ckpt(run_dir)["global_step"]
     assert stopped["last_model_path"] == str(run_dir / "checkpoints" / "last.ckpt")
@@ -122,6 +123,7 @@ def test_sigint_then_resume_of_a_shuffled_loader_is_exact(tmp_path, unet_referen
     assert killed.returncode == 128 + signal.SIGINT, killed.stderr[-3000:]
     assert summary(run_dir)["status"] == "interrupted"
     assert summary(run_dir)["signal"] == "SIGINT"
+    assert summary(run_dir)["error"] == "stopped by SIGINT"  # not Lightning's SIGTERMException
     assert ckpt(run_dir)["global_step"] == step + 1
     resumed = train_proc(run_dir, [*UNET, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -153,4 +155,5 @@ def test_sigterm_from_outside_saves_a_checkpoint_and_exits_non_zero(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     stopped = summary(run_dir)
     assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGTERM"
+    assert stopped["error"] == "stopped by SIGTERM"
     assert stopped["global_step"] == ckpt(run_dir)["global_step"] >= 1

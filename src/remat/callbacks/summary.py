@@ -202,6 +202,8 @@ class RunSummary(L.Callback):
         if status == "interrupted":
             summary["signal"] = getattr(last, "received_signal", None) or (
                 "SIGINT" if isinstance(exception, KeyboardInterrupt) else "SIGTERM")
+            # both signals stop through Lightning's SIGTERM path: say which one it was
+            summary["error"] = f"stopped by {summary['signal']}"
         summary.update({
             "strategy_report": report_obj.to_dict() if report_obj is not None else None,
             "device": device_name(pl_module.device) if pl_module is not None else None,

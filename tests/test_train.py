@@ -84,6 +84,20 @@ def test_last_checkpoint_holds_the_current_best_record(tmp_path, mode):
         f"epoch_{best_epoch:03d}.ckpt"]
 
 
+def test_resuming_with_another_batch_size_warns_and_skips_the_samples_trained(tmp_path,
+                                                                             caplog):
+    # 8 images in batches of 4: the run stops after 1 of the epoch's 2 batches
+    first = train(compose_train(tmp_path / "a", [*TINY, "trainer.max_steps=1"]))
+    state = torch.load(first["last_model_path"], weights_only=True)["callbacks"]["ResumeState"]
+    assert state["loader"]["batches"] == 1 and state["loader"]["samples"] == 4
+    assert state["loader"]["batch_size"] == 4
+    with pytest.warns(UserWarning, match=r"data.batch_size 4 -> 2"), \
+            caplog.at_level("INFO", logger="remat.callbacks.resume"):
+        train(compose_train(tmp_path / "b", [*TINY, "data.batch_size=2", "trainer.max_steps=2",
+                                             f"ckpt_path={first['last_model_path']}"]))
+    assert "skipping the 1 batches (4 samples)" in caplog.text
+
+
 def test_tiny_real_kvasir_run(tmp_path, kvasir_root):
     cfg = compose_train(tmp_path, [
         "experiment=kvasir_unet", f"data.root={kvasir_root}", "data.image_size=64",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -82,6 +83,17 @@ def run_id() -> str:
     return secrets.token_hex(3)
 
 
+def best_saved_at_validation(monitor: Any) -> bool | None:
+    """``ModelCheckpoint(save_on_train_epoch_end=...)`` for ``configs/callbacks/
+    model_checkpoint.yaml``: ``False`` (save the best checkpoint at the validation end,
+    before ``last.ckpt`` is written there, so the best record inside ``last.ckpt`` is
+    current) unless ``monitor`` is a training metric (``train/...``), which exists only at
+    the train epoch end; then ``None`` (Lightning decides)."""
+    return None if str(monitor).startswith("train/") else False
+
+
+if not OmegaConf.has_resolver("remat.best_saved_at_validation"):
+    OmegaConf.register_new_resolver("remat.best_saved_at_validation", best_saved_at_validation)
 if not OmegaConf.has_resolver("remat.batch_for"):
     OmegaConf.register_new_resolver("remat.batch_for", per_step_batch)
 if not OmegaConf.has_resolver("remat.run_id"):

@@ -66,10 +66,10 @@ class LastCheckpoint(Checkpoint):
     state (weights, optimizer, scheduler, loops, callbacks such as
     :class:`~remat.callbacks.ResumeState`):
 
-    * at the end of every training epoch: after its validation, or at ``on_train_epoch_end``
-      when no validation runs then; written again at ``on_train_epoch_end`` when a
-      ``ModelCheckpoint`` saved a new best there (Lightning's default), so the best record
-      inside ``last.ckpt`` always names the best file on disk,
+    * at the end of every training epoch: after its validation (after every
+      ``ModelCheckpoint`` that saves there, as ``configs/callbacks/model_checkpoint.yaml``'s
+      does, so the best record inside ``last.ckpt`` names the best file on disk), or at
+      ``on_train_epoch_end`` when no validation runs then,
     * every ``every_n_train_steps`` optimizer steps if set,
     * when training ends (so its ``global_step`` is the run's last step),
     * on SIGTERM or SIGINT: the signal is held until the current optimizer step is complete
@@ -101,7 +101,6 @@ class LastCheckpoint(Checkpoint):
         self.received_signal: str | None = None
         self.saved_step: int | None = None
         self._saved_at: tuple[int, int, str] | None = None
-        self._records_saved: list[tuple[str, str]] = []
         self._handlers: dict[int, Any] = {}
         self._step_at_batch_start = 0
 
@@ -127,7 +126,6 @@ class LastCheckpoint(Checkpoint):
             return
         trainer.save_checkpoint(self.path)
         self._saved_at, self.saved_step = key, trainer.global_step
-        self._records_saved = self._records(trainer)
         log.info("wrote %s (epoch %d, global step %d, %s)", self.path, trainer.current_epoch,
                  trainer.global_step, where)
 
@@ -205,17 +203,6 @@ class LastCheckpoint(Checkpoint):
                                                             trainer.global_step) \
                 or self._saved_at[2] not in ("epoch_end", "signal"):
             self._epoch_end(trainer)  # no validation at this epoch's end
-        elif self._records(trainer) != self._records_saved:
-            # a ModelCheckpoint saved at this train epoch end (Lightning's default when
-            # validation runs at every epoch end), after last.ckpt was written at the
-            # validation end: write it again so its best record names the file now on disk
-            self.save(trainer, "epoch_end_best")
-
-    @staticmethod
-    def _records(trainer: L.Trainer) -> list[tuple[str, str]]:
-        """The best and last paths every ModelCheckpoint holds now."""
-        return [(c.best_model_path, c.last_model_path) for c in trainer.checkpoint_callbacks
-                if isinstance(c, ModelCheckpoint)]
 
     def _epoch_end(self, trainer: L.Trainer) -> None:
         if self.received_signal:

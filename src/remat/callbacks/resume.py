@@ -116,6 +116,7 @@ class ResumeState(L.Callback):
         self._trainer: L.Trainer | None = None
         self._sampler: _ResumableSampler | None = None
         self._original = None
+        self._batch_size: int | None = None
 
     # --- wrapping the datamodule's train_dataloader ----------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -157,12 +158,16 @@ class ResumeState(L.Callback):
             inner = batch_sampler.sampler = _ResumableSampler(
                 inner, own if isinstance(own, torch.Generator) else generator)
         self._sampler = inner
+        self._batch_size = batch_sampler.batch_size
         if pending is None:
             return
+        self._warn_if_reshaped(pending, batch_sampler.batch_size)
         if pending.get("batches"):
-            inner.resume = (pending.get("generator"), pending["batches"] * batch_sampler.batch_size)
-            log.info("resume: skipping the %d batches of this epoch trained before the "
-                     "checkpoint", pending["batches"])
+            # the samples the checkpointed run trained, whatever the batch size is now
+            samples = pending.get("samples", pending["batches"] * batch_sampler.batch_size)
+            inner.resume = (pending.get("generator"), samples)
+            log.info("resume: skipping the %d batches (%d samples) of this epoch trained "
+                     "before the checkpoint", pending["batches"], samples)
             return
         # between epochs: what the uninterrupted run does next is create the next epoch's
         # iterator, which may draw its base seed from the global RNG (a loader without a
@@ -175,6 +180,32 @@ class ResumeState(L.Callback):
         self._between_epochs = True
 
     _between_epochs = False
+
+    def _warn_if_reshaped(self, pending: dict[str, Any], batch_size: int) -> None:
+        """Warn when the resumed run's batch, accumulation or epoch length differ from the
+        checkpointed run's: training goes on, but is no longer the uninterrupted run."""
+        trainer = self._trainer
+        now = {"data.batch_size": batch_size,
+               "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+               "samples per epoch": pending.get("epoch_samples") and self._epoch_samples()}
+        then = {"data.batch_size": pending.get("batch_size"),
+                "accumulate_grad_batches": pending.get("accumulate_grad_batches"),
+                "samples per epoch": pending.get("epoch_samples")}
+        changed = [f"{k} {then[k]} -> {now[k]}" for k in now
+                   if then[k] is not None and now[k] is not None and then[k] != now[k]]
+        if changed:
+            rank_zero_warn(
+                "resuming with another run shape than the checkpoint was trained with ("
+                + ", ".join(changed) + "): training goes on from the checkpoint, but the "
+                "losses will not be those of an uninterrupted run; the rest of this epoch "
+                "skips the samples already trained")
+
+    def _epoch_samples(self) -> int | None:
+        sampler = self._sampler
+        try:
+            return len(sampler.inner) if sampler is not None else None
+        except TypeError:  # a sampler without a length
+            return None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._rng is not None:
@@ -198,13 +229,18 @@ class ResumeState(L.Callback):
             return state
         progress = trainer.fit_loop.epoch_loop.batch_progress
         served = int(progress.current.ready)
+        shape = {"batch_size": self._batch_size, "epoch_samples": self._epoch_samples(),
+                 "accumulate_grad_batches": trainer.accumulate_grad_batches}
         if progress.is_last_batch or served >= trainer.num_training_batches or served == 0:
             # between epochs: the next epoch's pass starts from the generator as it is now
             generator = sampler.generator
             state["loader"] = {"generator": generator.get_state() if generator is not None
-                               else None, "batches": 0}
+                               else None, "batches": 0, **shape}
         else:
-            state["loader"] = {"generator": sampler.epoch_start, "batches": served}
+            state["loader"] = {"generator": sampler.epoch_start, "batches": served,
+                               "samples": served * (self._batch_size or 0) or None, **shape}
+            if state["loader"]["samples"] is None:
+                del state["loader"]["samples"]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import random
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Sampler
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,10 @@ class ResumeState(L.Callback):
         if stage != "fit" or dm is None or self._original is not None:
             return
         original = dm.train_dataloader
+        # Lightning warns that a loader without state_dict cannot resume mid-epoch; this
+        # callback restores its position itself (and says so when it resumes)
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended "
+                                "before the epoch ended", category=PossibleUserWarning)
 
         @functools.wraps(original)
         def train_dataloader() -> Any:

@@ -135,6 +135,7 @@ def test_timm_vit_segmenter_is_estimated(tmp_path):
     assert _within(predicted, measured), (predicted.categories, measured.categories)
 
 
+@pytest.mark.slow  # ~30 s: the real SwinUNETR step is the reference
 def test_a_model_whose_init_reads_item_on_meta_is_built_once_for_real(tmp_path):
     # MONAI's SwinUNETR calls .item() on a linspace in __init__: neither FakeTensorMode nor
     # the meta device can answer it, so the estimate builds it on the CPU once and traces

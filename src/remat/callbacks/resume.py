@@ -193,7 +193,7 @@ class ResumeState(L.Callback):
         trainer = self._trainer
         now = {"data.batch_size": batch_size,
                "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
-               "samples per epoch": pending.get("epoch_samples") and self._epoch_samples()}
+               "samples per epoch": self._epoch_samples()}
         then = {"data.batch_size": pending.get("batch_size"),
                 "accumulate_grad_batches": pending.get("accumulate_grad_batches"),
                 "samples per epoch": pending.get("epoch_samples")}
@@ -243,10 +243,9 @@ class ResumeState(L.Callback):
             state["loader"] = {"generator": generator.get_state() if generator is not None
                                else None, "batches": 0, **shape}
         else:
-            state["loader"] = {"generator": sampler.epoch_start, "batches": served,
-                               "samples": served * (self._batch_size or 0) or None, **shape}
-            if state["loader"]["samples"] is None:
-                del state["loader"]["samples"]
+            state["loader"] = {"generator": sampler.epoch_start, "batches": served, **shape}
+            if self._batch_size:
+                state["loader"]["samples"] = served * self._batch_size
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

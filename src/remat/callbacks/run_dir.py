@@ -11,7 +11,6 @@ claim a folder again). Resuming into a folder whose run has ended is allowed.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -23,6 +22,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+
+from remat.callbacks.summary import read_summary
 
 try:
     import fcntl
@@ -106,14 +107,11 @@ def earlier_run(folder: str | Path) -> str | None:
     """What an earlier training run left in ``folder`` (its ``summary.json`` status and step,
     or its checkpoints), or None when the folder holds no run."""
     folder = Path(folder)
-    summary = folder / "summary.json"
-    if summary.is_file():
-        try:
-            data = json.loads(summary.read_text())
-            return (f"a run with status {data.get('status')!r} at global step "
-                    f"{data.get('global_step')}")
-        except (OSError, ValueError, AttributeError):
+    if (folder / "summary.json").is_file():
+        data = read_summary(folder / "summary.json")
+        if data is None:
             return "a run (its summary.json is unreadable)"
+        return f"a run with status {data.get('status')!r} at global step {data.get('global_step')}"
     ckpts = folder / "checkpoints"
     if ckpts.is_dir() and any(ckpts.glob("*.ckpt")):
         return f"a run's checkpoints ({', '.join(sorted(p.name for p in ckpts.glob('*.ckpt')))})"

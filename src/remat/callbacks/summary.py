@@ -112,10 +112,11 @@ def _shape_fields(shape: Any) -> dict[str, Any]:
     return fields
 
 
-def _read_summary(path: Path) -> dict[str, Any] | None:
-    """The summary.json already in the run folder (a run being resumed), if readable."""
+def read_summary(path: str | Path) -> dict[str, Any] | None:
+    """The ``summary.json`` at ``path`` as a dict, or None when it is missing or unreadable
+    (a run being resumed, or a folder a new run would write over)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -166,6 +167,8 @@ class RunSummary(L.Callback):
         self.seed = seed
         self.resumed_from = resumed_from
         self.summary: dict[str, Any] | None = None
+        self._earlier: dict[str, Any] | None = None  # the folder's summary before a resume
+        self._trained = True  # whether this fit ran a training batch (reset in setup)
 
     def build(self, trainer: L.Trainer, pl_module: L.LightningModule | None, status: str,
               exception: BaseException | None = None) -> dict[str, Any]:
@@ -249,7 +252,7 @@ class RunSummary(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # before anything is written: a resumed run's folder may hold its finished summary
         # (Lightning skips on_train_start when the checkpoint is at the end of training)
-        self._earlier = _read_summary(self.path) if self.resumed_from else None
+        self._earlier = read_summary(self.path) if self.resumed_from else None
         self._trained = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -260,9 +263,8 @@ class RunSummary(L.Callback):
         self._trained = True
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        earlier = getattr(self, "_earlier", None)
-        if not getattr(self, "_trained", True) and earlier and earlier.get("status") == (
-                "completed"):
+        earlier = self._earlier
+        if not self._trained and earlier and earlier.get("status") == "completed":
             # resumed from a checkpoint that had already reached the end of training: this
             # fit measured and logged nothing, so the run's own summary stays as it was
             log.warning("nothing to train: %s is already at the end of training (global step "

@@ -55,7 +55,7 @@ def test_a_run_whose_folder_is_in_use_fails_before_writing_anything(tmp_path):
 
 def test_a_finished_run_is_neither_overwritten_nor_wiped_by_a_resume(tmp_path, caplog):
     run = tmp_path / "run"
-    first = train(compose_train(run, [*TINY, "trainer.max_steps=1"]))
+    first = train(compose_train(run, TINY))  # to trainer.max_epochs, as a user's run ends
     files = {p.name: p.read_bytes() for p in [run / "summary.json", run / "config.yaml",
                                               run / "checkpoints" / "last.ckpt"]}
     assert first["metrics"] and json.loads(files["summary.json"])["metrics"]
@@ -71,7 +71,7 @@ def test_a_finished_run_is_neither_overwritten_nor_wiped_by_a_resume(tmp_path, c
     # resuming the finished run trains nothing and keeps its summary as it was
     last = run / "checkpoints" / "last.ckpt"
     with caplog.at_level("WARNING", logger="remat.callbacks.summary"):
-        kept = train(compose_train(run, [*TINY, "trainer.max_steps=1", f"ckpt_path={last}"]))
+        kept = train(compose_train(run, [*TINY, f"ckpt_path={last}"]))
     assert "nothing to train" in caplog.text
     assert kept == first
     assert (run / "summary.json").read_bytes() == files["summary.json"]

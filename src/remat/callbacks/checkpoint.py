@@ -103,6 +103,7 @@ class LastCheckpoint(Checkpoint):
         self._saved_at: tuple[int, int, str] | None = None
         self._handlers: dict[int, Any] = {}
         self._step_at_batch_start = 0
+        self._trained = False  # whether this fit has run a training batch
 
     @property
     def path(self) -> Path:
@@ -124,12 +125,15 @@ class LastCheckpoint(Checkpoint):
         key = (trainer.current_epoch, trainer.global_step, where)
         if self._saved_at == key or trainer.sanity_checking or trainer.fast_dev_run:
             return
+        if not self._trained:
+            return  # nothing trained in this fit (a resume at the end): last.ckpt stays as it is
         trainer.save_checkpoint(self.path)
         self._saved_at, self.saved_step = key, trainer.global_step
         log.info("wrote %s (epoch %d, global step %d, %s)", self.path, trainer.current_epoch,
                  trainer.global_step, where)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._trained = False
         # after every ModelCheckpoint, so that a last.ckpt written in the same hook holds
         # their updated best record (a resumed run then knows the true best file)
         others = [c for c in trainer.callbacks if c is not self]
@@ -180,6 +184,7 @@ class LastCheckpoint(Checkpoint):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._trained = True
         if trainer.global_step == self._step_at_batch_start:
             return  # gradients are still being accumulated: no complete step to save
         last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch

@@ -203,8 +203,11 @@ class ResumeState(L.Callback):
             rank_zero_warn(
                 "resuming with another run shape than the checkpoint was trained with ("
                 + ", ".join(changed) + "): training goes on from the checkpoint, but the "
-                "losses will not be those of an uninterrupted run; the rest of this epoch "
-                "skips the samples already trained")
+                "losses will not be those of an uninterrupted run. Inside an epoch the "
+                "samples already trained are skipped, while Lightning still counts the "
+                "epoch's trained batches at the old size, so with another batch size the "
+                "rest of this epoch is cut short or runs long; resume from an epoch-end "
+                "checkpoint to change it")
 
     def _epoch_samples(self) -> int | None:
         sampler = self._sampler

@@ -125,7 +125,9 @@ def check_sizes(batch_size: Any, size: Any, size_key: str, channels: int = 1
 def build_from_config(cfg: DictConfig
                       ) -> tuple[Callable[[], nn.Module], str, int, int | tuple[int, int]]:
     """Check the config and return ``(build, size_key, batch_size, size)``; ``build()``
-    instantiates ``cfg.strategy`` and ``cfg.model`` (scheduler dropped: one step).
+    instantiates ``cfg.strategy`` and ``cfg.model`` (scheduler dropped: one step), and
+    ``build.with_strategy(strategy, stages=None)`` the model with a given strategy object
+    (and other ``model.stages``).
 
     Raises:
         ValueError: bad sizes (naming the key) or precision.
@@ -160,12 +162,18 @@ def build_from_config(cfg: DictConfig
         except InstantiationException as err:
             raise ValueError(f"estimate: config group 'strategy' failed to build "
                              f"({cfg.strategy.get('_target_')}): {err}") from err
+        return build_with(strategy)
+
+    def build_with(strategy: Any, stages: Any = None) -> nn.Module:
         try:
+            if stages is not None:
+                return instantiate(model_cfg, strategy=strategy, stages=list(stages))
             return instantiate(model_cfg, strategy=strategy)
         except InstantiationException as err:
             raise ValueError(f"estimate: config group 'model' failed to build "
                              f"({model_cfg.get('_target_')}): {err}") from err
 
+    build.with_strategy = build_with  # type: ignore[attr-defined] - the planner's builder
     return build, size_key, batch_size, size
 
 

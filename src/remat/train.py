@@ -76,6 +76,15 @@ def _exit_code(err: BaseException, callbacks: list[Any]) -> int | None:
     return 128 + int(getattr(signal, name))
 
 
+def _strategy(cfg: DictConfig) -> Any:
+    """``cfg.strategy`` instantiated; a memory budget (``strategy=budget``) is planned here,
+    before the model is built, and a replayed plan checked against the run
+    (:func:`remat.plan.plan_for_run`)."""
+    from remat.plan import plan_for_run
+
+    return plan_for_run(cfg, instantiate(cfg.strategy))
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train the configured model; return the run summary (also in ``summary.json``).
 
@@ -103,7 +112,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             OmegaConf.save(cfg, out / "config.yaml", resolve=True)
             L.seed_everything(cfg.seed, workers=True)
             datamodule = instantiate(cfg.data)
-            model = instantiate(cfg.model, strategy=instantiate(cfg.strategy))
+            model = instantiate(cfg.model, strategy=_strategy(cfg))
             check_model_fits_data(model, datamodule, _choice("model"), _choice("data"))
             ckpt_path = cfg.get("ckpt_path")
             if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES:

@@ -143,6 +143,20 @@ def failure_summary(cfg: DictConfig, err: BaseException) -> dict[str, Any]:
     }
 
 
+def _plan_of(pl_module: Any, memory: Any) -> dict[str, Any] | None:
+    """The plan the run trains with (``strategy=budget`` or ``strategy=plan``), with the
+    measured peak beside the predicted one; None for other strategies."""
+    plan = getattr(getattr(pl_module, "strategy", None), "plan", None)
+    if plan is None or not hasattr(plan, "to_dict"):
+        return None
+    out = plan.to_dict()
+    out["measured_peak_bytes"] = getattr(memory, "peak_bytes", None)
+    predicted, measured = out.get("predicted_peak_bytes"), out["measured_peak_bytes"]
+    out["measured_over_predicted"] = (measured / predicted if predicted and measured
+                                      else None)
+    return out
+
+
 class RunSummary(L.Callback):
     """Writes ``path`` (``summary.json``): ``running`` at train start, ``completed`` at fit
     end, ``interrupted`` (with ``signal``) or ``failed`` (with ``error``) on an exception.
@@ -153,7 +167,9 @@ class RunSummary(L.Callback):
     ``global_step``, ``epochs``, ``metrics`` (last logged values), memory in bytes
     (``peak_memory_bytes``, ``peak_memory_reserved_bytes`` on CUDA,
     ``peak_memory_per_epoch_bytes``, ``peak_memory_measured``: which batches and optimizer
-    steps of this process were measured, ``memory_estimate``), ``median_step_ms`` (ms),
+    steps of this process were measured, ``memory_estimate``), ``plan`` (the plan of
+    ``strategy=budget``/``plan`` with ``predicted_peak_bytes`` and ``measured_peak_bytes``
+    side by side), ``median_step_ms`` (ms),
     throughput per second (``samples_per_s``, ``pixels_per_s`` or ``tokens_per_s``),
     checkpoint paths (``best_model_path``, ``last_model_path``), ``device``,
     ``torch_version``, ``lightning_version``. Values the other callbacks did not provide
@@ -219,6 +235,7 @@ class RunSummary(L.Callback):
             "peak_memory_measured": memory.measured() if memory else None,
             "peak_memory_note": memory.skipped_reason if memory
             else "no PeakMemoryMonitor callback",
+            "plan": _plan_of(pl_module, memory),
             "memory_estimate": getattr(report, "estimate", None),
             "memory_estimate_note": getattr(report, "estimate_note", None),
             "median_step_ms": timing.median_ms if timing else None,

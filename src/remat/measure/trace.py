@@ -143,9 +143,24 @@ def _micro_peak(model: nn.Module, batch: dict[str, torch.Tensor],
     return peak
 
 
+def _step_flops(model: nn.Module, batch: dict[str, torch.Tensor],
+                optimizer: torch.optim.Optimizer, precision: str, device: torch.device) -> int:
+    """FLOPs of forward, loss and backward of one batch (recompute included), counted by
+    ``FlopCounterMode``; the gradients it makes are dropped again."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        with autocast(device, precision):
+            loss = model.training_loss(batch)
+        loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
 def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
                device: torch.device, precision: str, fake: bool = True,
-               accumulate_grad_batches: int = 1) -> tuple[str, Any]:
+               accumulate_grad_batches: int = 1, count_flops: bool = False
+               ) -> tuple[str, Any]:
     """Build the model (``build()``, with strategy applied) and measure two optimizer steps;
     the largest peak of their batches is returned.
 
@@ -171,34 +186,53 @@ def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tupl
     cannot run on ``meta`` either (MONAI's SwinUNETR reads ``.item()`` of a ``linspace``)
     is built for real on the CPU once and traced as a meta copy.
     ``size`` is a side (px), a sequence length (tokens) or an ``(h, w)`` image size.
+    With ``count_flops=True`` the first batch also runs under
+    ``torch.utils.flop_counter.FlopCounterMode``; its FLOPs (forward, backward and any
+    recompute, optimizer excluded) are set as ``step_flops`` on the returned peak.
     Returns ``(strategy name, PeakMemory)``.
     """
-    def run(make: Callable[[], nn.Module]) -> tuple[str, Any]:
-        # forked RNG: on CUDA the trace runs in the training process, whose seed must hold
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(0)
-            return run_seeded(make)
-
-    def run_seeded(make: Callable[[], nn.Module]) -> tuple[str, Any]:
-        model = make().train()
+    def run_seeded(model: nn.Module) -> tuple[str, Any]:
+        model.train()
         optimizer = _optimizer(model)
         peaks = []
         scale = 1.0 / accumulate_grad_batches
+        flops = None
         for _ in range(2):
             for zero_grad, step in lightning_micro_steps(accumulate_grad_batches):
                 batch = _batch(model, batch_size, size, device)
+                if count_flops and flops is None:
+                    flops = _step_flops(model, batch, optimizer, precision, device)
                 peaks.append(_micro_peak(model, batch, optimizer, device, precision,
                                          zero_grad, step, scale))
                 del batch
         peak = max(peaks, key=lambda p: p.peak_bytes)
+        peak.step_flops = flops
         for p in peaks:
             p.modules, p.optimizers = [], []  # keep no fake tensor alive past the mode
         return model.strategy_report.strategy, peak
 
+    return run_built(build, run_seeded, device, fake)
+
+
+def run_built(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
+              device: torch.device, fake: bool = True) -> Any:
+    """``fn(build())`` in a forked child (:func:`_in_child`), under ``FakeTensorMode`` with
+    ``fake=True`` and with the RNG seeded to 0; returns ``fn``'s (picklable) result.
+
+    A model whose construction FakeTensorMode refuses is built on ``meta`` and materialized
+    as fake tensors, or, when ``meta`` fails too, built for real once and traced as a meta
+    copy (see :func:`trace_step`). ``fn`` must not keep fake tensors in its result.
+    """
+    def run(make: Callable[[], nn.Module]) -> Any:
+        # forked RNG: on CUDA the trace runs in the training process, whose seed must hold
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return fn(make())
+
     def dev() -> Any:
         return torch.device(device) if device.type != "cpu" else nullcontext()
 
-    def traced() -> tuple[str, Any]:
+    def traced() -> Any:
         try:
             with FakeTensorMode() if fake else nullcontext(), dev():
                 return run(build)

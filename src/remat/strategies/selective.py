@@ -652,6 +652,11 @@ class SelectiveCheckpoint(RecomputeStrategy):
             return not core
         return op in self._save or op.overloadpacket in self._save
 
+    def saves_output(self, op) -> bool:
+        """Whether this preset keeps the output of aten op ``op`` (an ``OpOverload``) rather
+        than recomputing it (the attention preset: outside the attention core)."""
+        return self._saves(op, False)
+
     def make_policy(self) -> _RegionPolicy:
         """A fresh policy function for one checkpointed block (it keeps per-call state)."""
         return _RegionPolicy(self._saves, follow_core=self.policy == "attention")

@@ -1,0 +1,304 @@
+"""Plan activation checkpointing for a memory budget on any device, from a CPU.
+
+``python -m remat.plan model=unet_resnet34 data.image_size=2048 data.batch_size=8
+precision=bf16-mixed memory=24GiB device=h100`` prints the plan (which units are kept,
+recomputed in which segments, or recomputed selectively), its traced peak and modelled
+step-time overhead, and the frontier: for budgets evenly spaced from the smallest peak any
+plan reaches to ``none``'s peak, the best plan's peak and recompute FLOPs, beside the fixed
+strategies (``none``, ``full``, ``sqrtn``, ``every_k`` k=2/4, ``selective``, each on the
+model's default stages and on the whole network). It writes ``plan.json`` (replay with
+``strategy=plan strategy.path=plan.json``), ``frontier.csv`` and ``frontier.png``.
+
+With ``effective_batch_size=E`` it also plans every micro-batch ``d`` dividing ``E``
+(``accumulate_grad_batches = E / d``) and prints the modelled samples/s of each, marking
+the fastest that fits: lower the batch, or recompute more?
+
+Same config keys as training (``model``, ``data``, ``precision``,
+``accumulate_grad_batches``) plus ``memory``, ``device``, ``margin``, ``units``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from remat import run_shape
+from remat.config import config_dir
+from remat.estimate import build_from_config
+from remat.measure import format_bytes
+from remat.planner import InfeasibleBudget, Plan, Planner, PlanStrategy
+from remat.planner.budget import BudgetStrategy
+from remat.strategies import build_strategy
+
+log = logging.getLogger(__name__)
+
+#: The fixed strategies the frontier compares against: (label, registry name, arguments).
+FIXED = (("none", "none", {}), ("full", "full", {}), ("sqrtn", "sqrtn", {}),
+         ("every_k k=2", "every_k", {"k": 2}), ("every_k k=4", "every_k", {"k": 4}),
+         ("selective matmul", "selective", {"policy": "matmul"}))
+
+
+@dataclass
+class Point:
+    """One point of the frontier: a plan for a budget or a fixed strategy (bytes, FLOPs)."""
+
+    kind: str  # "plan" | "fixed"
+    label: str
+    budget_bytes: int | None
+    peak_bytes: int | None
+    recompute_flops: int | None
+    flops_ratio: float | None
+    overhead: float | None
+    note: str = ""
+
+
+def run_shape_of(cfg: DictConfig) -> tuple[Any, int, Any, str, int]:
+    """``(build, batch_size, size, precision, accumulate)`` of a training/plan config, where
+    ``build(strategy, stages=None)`` instantiates the model.
+
+    Raises:
+        ValueError: bad sizes or precision (naming the key).
+    """
+    build, _, batch_size, size = build_from_config(cfg)
+    accumulate = run_shape.normalize_size(cfg.get("accumulate_grad_batches", 1),
+                                          "accumulate_grad_batches")
+    return build.with_strategy, batch_size, size, str(cfg.precision), accumulate
+
+
+def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
+    """The strategy to train with: a :class:`~remat.planner.BudgetStrategy` becomes the
+    :class:`~remat.planner.PlanStrategy` of its plan (planned here, before the model is
+    built); a replayed plan is checked against the run; anything else is returned as it is.
+
+    Raises:
+        ValueError: a replayed plan made for another batch size, input size or precision
+            (naming ``strategy.path`` and the key).
+        remat.planner.InfeasibleBudget: the budget cannot be met.
+    """
+    if isinstance(strategy, BudgetStrategy):
+        build, batch_size, size, precision, accumulate = run_shape_of(cfg)
+        return strategy.planned(build, batch_size, size, precision, accumulate,
+                                default_stages=list(cfg.model.get("stages") or []))
+    if isinstance(strategy, PlanStrategy):
+        check_plan_fits(strategy.plan, cfg, strategy.path)
+    return strategy
+
+
+def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
+    """Raise if ``plan`` was made for another run shape than ``cfg``'s.
+
+    Raises:
+        ValueError: names ``strategy.path``, the key, the plan's and the run's values.
+    """
+    shape = run_shape.shape_of(cfg.data, cfg.model)
+    size = shape.size if not isinstance(shape.size, list) else tuple(shape.size)
+    plan_size = tuple(plan.size) if isinstance(plan.size, list) else plan.size
+    checks = (("data.batch_size", plan.batch_size, shape.batch_size),
+              (shape.size_key or "size", plan_size, size),
+              ("precision", plan.precision, str(cfg.get("precision"))))
+    for key, planned, running in checks:
+        if planned and running is not None and planned != running:
+            raise ValueError(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
+                             f"this run has {key}={running}; plan again for this run "
+                             f"(python -m remat.plan ... {key}={running}) or set {key} back")
+
+
+def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:
+    whole = [u.path for u in planner.profile.units]
+    points = []
+    for stages_label, stages in (("default stages", default_stages), ("whole network", whole)):
+        for label, name, kwargs in FIXED:
+            if name == "none" and stages_label == "whole network":
+                continue
+            strategy = build_strategy(name, **kwargs)
+            try:
+                traced = planner.none if name == "none" else planner.trace(
+                    strategy, lambda s, st=stages: build(s, st), key=stages_label)
+            except Exception as err:  # noqa: BLE001 - one strategy that cannot apply
+                points.append(Point("fixed", f"{label} ({stages_label})", None, None, None,
+                                    None, None, f"{type(err).__name__}: {err}"[:200]))
+                continue
+            extra = max(0, traced.step_flops - planner.none.step_flops)
+            points.append(Point("fixed", f"{label} ({stages_label})" if name != "none"
+                                else "none", None, traced.peak_bytes, extra,
+                                1 + extra / max(planner.none.step_flops, 1), None))
+    return points
+
+
+def frontier(planner: Planner, count: int) -> list[Point]:
+    """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none."""
+    _, floor = planner.floor()
+    low = int(floor.peak_bytes / (1 - planner.margin)) + 1
+    high = int(planner.none.peak_bytes / (1 - planner.margin)) + 1
+    points = []
+    for i in range(count):
+        budget = low + (high - low) * i // max(1, count - 1)
+        try:
+            plan = planner.plan(budget).plan
+        except InfeasibleBudget as err:
+            points.append(Point("plan", "plan", budget, None, None, None, None,
+                                str(err).splitlines()[0]))
+            continue
+        points.append(Point("plan", "plan", budget, plan.predicted_peak_bytes,
+                            plan.recompute_flops,
+                            1 + plan.recompute_flops / max(plan.step_flops, 1),
+                            plan.predicted_overhead))
+    return points
+
+
+def format_points(points: list[Point]) -> str:
+    """Plain-text table of frontier points (MiB/GiB)."""
+    lines = [f"{'':<36}{'budget':>12}{'peak':>12}{'FLOPs x none':>14}{'time x none':>13}"]
+    for p in points:
+        def fmt(v: int | None) -> str:
+            return format_bytes(v) if v is not None else "-"
+
+        lines.append(f"{p.label:<36}{fmt(p.budget_bytes):>12}{fmt(p.peak_bytes):>12}"
+                     + (f"{p.flops_ratio:>14.3f}" if p.flops_ratio is not None else f"{'-':>14}")
+                     + (f"{p.overhead:>13.3f}" if p.overhead is not None else f"{'-':>13}")
+                     + (f"  {p.note}" if p.note else ""))
+    return "\n".join(lines)
+
+
+def write_frontier(points: list[Point], out: Path, title: str) -> None:
+    """``frontier.csv`` and ``frontier.png`` (peak MiB vs recompute FLOPs x none)."""
+    with (out / "frontier.csv").open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["kind", "label", "budget_bytes", "peak_bytes", "recompute_flops",
+                         "flops_x_none", "modelled_time_x_none", "note"])
+        for p in points:
+            writer.writerow([p.kind, p.label, p.budget_bytes, p.peak_bytes, p.recompute_flops,
+                             p.flops_ratio, p.overhead, p.note])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plans = [p for p in points if p.kind == "plan" and p.peak_bytes is not None]
+    ax.plot([p.peak_bytes / 2**20 for p in plans], [p.flops_ratio for p in plans], "o-",
+            label="remat plan (budget)")
+    for p in points:
+        if p.kind == "fixed" and p.peak_bytes is not None:
+            ax.scatter(p.peak_bytes / 2**20, p.flops_ratio, marker="x")
+            ax.annotate(p.label, (p.peak_bytes / 2**20, p.flops_ratio), fontsize=7)
+    ax.set_xlabel("traced peak of a training step (MiB)")
+    ax.set_ylabel("step FLOPs x none (recompute cost)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "frontier.png", dpi=120)
+    plt.close(fig)
+
+
+def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str, Any]]:
+    """Plan every micro-batch dividing ``effective``; modelled samples/s of each."""
+    rows = []
+    build, _, size, precision, _ = run_shape_of(cfg)
+    for micro in [d for d in range(1, effective + 1) if effective % d == 0]:
+        accumulate = effective // micro
+        row: dict[str, Any] = {"micro_batch": micro, "accumulate_grad_batches": accumulate}
+        try:
+            planner = Planner(build, micro, size, precision, accumulate, device=cfg.device,
+                              units=cfg.get("units"), margin=float(cfg.margin),
+                              objective=str(cfg.get("objective", "time")),
+                              default_stages=list(cfg.model.get("stages") or []))
+            plan = planner.plan(memory).plan
+        except InfeasibleBudget as err:
+            row.update(fits=False, note=str(err).splitlines()[0])
+            rows.append(row)
+            continue
+        step_s = planner.profile.step_time * plan.predicted_overhead * accumulate
+        row.update(fits=True, peak_bytes=plan.predicted_peak_bytes,
+                   overhead=plan.predicted_overhead, samples_per_s=effective / step_s,
+                   plan=plan.summary())
+        rows.append(row)
+    fitting = [r for r in rows if r.get("fits")]
+    if fitting:
+        max(fitting, key=lambda r: r["samples_per_s"])["fastest"] = True
+    return rows
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Plan, print, and write ``plan.json`` (with ``memory``), ``frontier.csv`` and
+    ``frontier.png`` into ``cfg.paths.output_dir``. Returns what was printed, as data."""
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build, batch_size, size, precision, accumulate = run_shape_of(cfg)
+    planner = Planner(build, batch_size, size, precision, accumulate, device=cfg.device,
+                      units=cfg.get("units"), margin=float(cfg.margin),
+                      max_traces=int(cfg.get("max_traces", 6)),
+                      objective=str(cfg.get("objective", "time")),
+                      default_stages=list(cfg.model.get("stages") or []))
+    spec = planner.spec
+    head = (f"plan for {planner.profile.model}, batch {batch_size}, size {size}, {precision}"
+            + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
+            + f", on {spec.title} ({spec.name}; {spec.source})")
+    print(head)
+    result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes}
+    if cfg.get("memory") is not None:
+        planned = planner.plan(cfg.memory)
+        plan = planned.plan
+        plan.save(out / "plan.json")
+        print(f"budget {format_bytes(plan.budget_bytes)} (margin {format_bytes(plan.margin_bytes)}"
+              f"): predicted peak {format_bytes(plan.predicted_peak_bytes)} (none "
+              f"{format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
+              f"{1 + plan.recompute_flops / max(plan.step_flops, 1):.3f} of none, modelled "
+              f"step time x{plan.predicted_overhead:.3f} "
+              f"({planned.seconds + planner.setup_seconds:.1f} s)")
+        print(plan.summary())
+        print(f"plan written to {out / 'plan.json'}; train with strategy=plan "
+              f"strategy.path={out / 'plan.json'}")
+        result["plan"] = plan.to_dict()
+    points = frontier(planner, int(cfg.budgets)) if int(cfg.budgets) > 0 else []
+    default_stages = list(cfg.model.get("stages") or [])
+    if cfg.get("fixed", True):
+        points += _fixed_points(planner, build, default_stages)
+    if points:
+        print("frontier (plans for budgets from the floor to none) and fixed strategies:")
+        print(format_points(points))
+        write_frontier(points, out, head)
+        result["frontier"] = [vars(p) for p in points]
+    if cfg.get("effective_batch_size"):
+        if cfg.get("memory") is None:
+            raise ValueError("effective_batch_size needs memory=... (the budget to fit)")
+        rows = micro_batches(cfg, cfg.memory, int(cfg.effective_batch_size))
+        print(f"micro-batch search, effective batch {cfg.effective_batch_size}:")
+        for r in rows:
+            mark = "  <- fastest that fits" if r.get("fastest") else ""
+            if r.get("fits"):
+                print(f"  batch {r['micro_batch']:>4} x accumulate "
+                      f"{r['accumulate_grad_batches']:>4}: peak "
+                      f"{format_bytes(r['peak_bytes']):>10}, time x{r['overhead']:.3f}, "
+                      f"{r['samples_per_s']:.1f} samples/s (modelled){mark}")
+            else:
+                print(f"  batch {r['micro_batch']:>4} x accumulate "
+                      f"{r['accumulate_grad_batches']:>4}: does not fit ({r['note']})")
+        result["micro_batches"] = rows
+    (out / "plan_report.json").write_text(json.dumps(
+        result | {"config": OmegaConf.to_container(cfg, resolve=False)}, indent=2,
+        default=str))
+    return result
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="plan")
+def main(cfg: DictConfig) -> None:
+    """Hydra app around :func:`run`; an infeasible budget exits with code 2 and what would
+    fit instead."""
+    try:
+        run(cfg)
+    except InfeasibleBudget as err:
+        print(str(err), file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""``strategy=budget``: a memory budget that is turned into a plan before the model is built."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from remat.measure import format_bytes
+from remat.planner.devices import get_device
+from remat.planner.memory import parse_memory
+from remat.planner.plan import PlanStrategy
+from remat.strategies.base import CheckpointStrategy, StrategyReport
+
+log = logging.getLogger(__name__)
+
+
+class BudgetStrategy(CheckpointStrategy):
+    """Train with the least recompute whose predicted peak fits ``memory``.
+
+    It is a request, not a strategy that wraps anything: ``remat.train`` (and
+    ``python -m remat.plan``) call :meth:`planned` with a model builder and the run shape
+    before the model is built, and train with the :class:`~remat.planner.PlanStrategy` it
+    returns. Plain PyTorch users call :func:`remat.planner.make_plan` themselves.
+
+    Args:
+        memory: ``12GiB``, ``"12 GB"``, bytes, or a fraction of the device's memory (``0.8``).
+        device: the device planned for: ``auto`` (the one present), a name
+            (:data:`remat.planner.DEVICES`: ``h100``, ``a100_80gb``, ``l4``, ...), ``cpu``, or
+            a mapping of figures (see :func:`remat.planner.get_device`).
+        margin: fraction of the budget kept free for allocator temporaries.
+        units: candidate unit paths (globs); ``None``: the whole network.
+        max_traces: traced plans per budget before the best one is taken.
+        objective: ``time`` (modelled recompute time on ``device``) or ``flops``.
+
+    Raises:
+        ValueError: a bad ``memory`` (unparseable, <= 0, above the device's memory) or an
+            unknown ``device``, at construction (before any training).
+    """
+
+    name = "budget"
+    needs_plan = True
+    recomputes = True
+
+    def __init__(self, memory: Any = 0.8, device: Any = "auto", margin: float = 0.05,
+                 units: Sequence[str] | None = None, max_traces: int = 6,
+                 objective: str = "time") -> None:
+        if objective not in ("time", "flops"):
+            raise ValueError(f"strategy.objective={objective!r}: use time (roofline on the "
+                             "device) or flops (recompute FLOPs, device-independent)")
+        self.objective = objective
+        self.spec = get_device(device)
+        self.memory = memory
+        self.budget_bytes = parse_memory(memory, self.spec.memory_bytes or None)
+        self.device = device if isinstance(device, str) else self.spec.name
+        if not (0 <= float(margin) < 1):
+            raise ValueError(f"strategy.margin={margin!r}: a fraction of the budget in [0, 1)")
+        self.margin = float(margin)
+        self.units = list(units) if units else None
+        self.max_traces = int(max_traces)
+
+    def planned(self, build: Callable[[CheckpointStrategy], nn.Module], batch_size: int,
+                size: Any, precision: str, accumulate_grad_batches: int = 1,
+                default_stages: Sequence[str] = ()) -> PlanStrategy:
+        """Plan for this budget and return the strategy that applies the plan (its
+        ``planned`` attribute holds the :class:`~remat.planner.Planned` result).
+
+        Raises:
+            remat.planner.InfeasibleBudget: no plan fits (what would fit is in the message).
+        """
+        from remat.planner.planner import make_plan
+
+        planned = make_plan(build, batch_size, size, self.budget_bytes, precision,
+                            device=self.spec, units=self.units, margin=self.margin,
+                            max_traces=self.max_traces, objective=self.objective,
+                            default_stages=default_stages,
+                            accumulate_grad_batches=accumulate_grad_batches)
+        plan = planned.plan
+        log.info("plan for %s on %s (%.1f s): predicted peak %s (none %s), recompute FLOPs "
+                 "x%.3f of none, modelled step time x%.3f\n%s", format_bytes(self.budget_bytes),
+                 self.spec.name, planned.seconds, format_bytes(plan.predicted_peak_bytes),
+                 format_bytes(plan.none_peak_bytes),
+                 1 + plan.recompute_flops / max(plan.step_flops, 1), plan.predicted_overhead,
+                 plan.summary())
+        strategy = PlanStrategy(plan)
+        strategy.planned = planned
+        return strategy
+
+    def apply(self, model: nn.Module, stages: Any = ()) -> StrategyReport:
+        """Refuse: a budget is planned before the model is built.
+
+        Raises:
+            RuntimeError: always (use ``remat.train``, ``python -m remat.plan`` or
+                :func:`remat.planner.make_plan`).
+        """
+        raise RuntimeError("strategy budget has no plan yet: remat.train plans it before it "
+                           "builds the model; in Python call remat.planner.make_plan(build, "
+                           "batch_size, size, memory=...) and use the PlanStrategy it returns")

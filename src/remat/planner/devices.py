@@ -1,0 +1,190 @@
+"""Devices the planner can plan for: memory, peak FLOP/s and memory bandwidth.
+
+The planner's time model is a roofline per op (Williams et al. 2009, "Roofline: an
+insightful visual performance model", CACM 52(4)): ``max(FLOPs / peak FLOP/s, bytes /
+bandwidth)``. Only ratios between plans of one model on one device are used (recompute time
+over the step's time), so the figures need to be right relative to each other, not exact.
+
+Figures are the vendors' datasheet numbers (dense, no structured sparsity). ``fp32`` is the
+non-tensor-core FP32 rate (torch's default for matmuls, ``allow_tf32=False``); ``bf16`` is
+the BF16 tensor-core rate with FP32 accumulation, used for ``bf16-mixed`` and ``16-mixed``.
+Memory is the datasheet capacity in decimal GB (1e9 bytes); on a present GPU the planner
+uses ``torch.cuda.get_device_properties(...).total_memory`` instead.
+
+``cpu`` has no table row: its FLOP/s and bandwidth are measured on this machine when a plan
+asks for them (:func:`calibrate_cpu`: a float32 matmul and a large copy, a fraction of a
+second), and its memory is the machine's RAM (``os.sysconf``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+GB = 10**9
+TFLOPS = 10**12
+GBPS = 10**9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device's figures.
+
+    Attributes:
+        name: the key used in ``strategy.device=`` / ``device=`` (e.g. ``h100``).
+        title: the product name.
+        memory_bytes: device memory (bytes).
+        fp32_flops: peak FP32 FLOP/s (no tensor cores).
+        bf16_flops: peak BF16 tensor-core FLOP/s, dense.
+        bandwidth: peak memory bandwidth (bytes/s).
+        source: where the figures come from.
+    """
+
+    name: str
+    title: str
+    memory_bytes: int
+    fp32_flops: float
+    bf16_flops: float
+    bandwidth: float
+    source: str
+
+    def flops_for(self, precision: str) -> float:
+        """Peak FLOP/s used for ``precision`` (``32-true`` -> FP32, mixed -> BF16/FP16)."""
+        return self.fp32_flops if precision in ("32-true", "32", "64-true") else self.bf16_flops
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
+DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
+    DeviceSpec("h100", "NVIDIA H100 SXM5 80GB", 80 * GB, 67 * TFLOPS, 989 * TFLOPS,
+               3350 * GBPS, _H100),
+    DeviceSpec("h100_pcie", "NVIDIA H100 PCIe 80GB", 80 * GB, 51 * TFLOPS, 756 * TFLOPS,
+               2000 * GBPS, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)"),
+    DeviceSpec("h200", "NVIDIA H200 SXM 141GB", 141 * GB, 67 * TFLOPS, 989 * TFLOPS,
+               4800 * GBPS, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    DeviceSpec("a100_40gb", "NVIDIA A100 SXM4 40GB", 40 * GB, 19.5 * TFLOPS, 312 * TFLOPS,
+               1555 * GBPS, "NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)"),
+    DeviceSpec("a100_80gb", "NVIDIA A100 SXM4 80GB", 80 * GB, 19.5 * TFLOPS, 312 * TFLOPS,
+               2039 * GBPS, "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
+    DeviceSpec("l4", "NVIDIA L4 24GB", 24 * GB, 30.3 * TFLOPS, 121 * TFLOPS, 300 * GBPS,
+               "NVIDIA L4 Tensor Core GPU datasheet"),
+    DeviceSpec("rtx4090", "NVIDIA GeForce RTX 4090 24GB", 24 * GB, 82.6 * TFLOPS,
+               165.2 * TFLOPS, 1008 * GBPS,
+               "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090, FP32 accumulate)"),
+)}
+
+#: Names a present GPU's ``torch.cuda.get_device_name`` is matched against (lower case).
+_CUDA_NAMES = (("h200", "h200"), ("h100 pcie", "h100_pcie"), ("h100", "h100"),
+               ("a100-sxm4-40gb", "a100_40gb"), ("a100-pcie-40gb", "a100_40gb"),
+               ("a100", "a100_80gb"), ("l4", "l4"), ("4090", "rtx4090"))
+
+
+def known_devices() -> list[str]:
+    """Every name :func:`get_device` accepts."""
+    return [*DEVICES, "cpu", "auto"]
+
+
+def _unknown(name: str, key: str) -> ValueError:
+    return ValueError(
+        f"{key}={name!r}: unknown device; known: {', '.join(known_devices())}. For another "
+        f"device give its figures by hand: {key}={{name: mygpu, memory_bytes: 48e9, "
+        "fp32_flops: 40e12, bf16_flops: 300e12, bandwidth: 1.5e12}} (FLOP/s and bytes/s)")
+
+
+@functools.cache
+def calibrate_cpu(threads: int | None = None) -> tuple[float, float]:
+    """Measure this CPU's float32 matmul FLOP/s and copy bandwidth (bytes/s): the best of 3
+    timings of a 1024x1024 matmul and of a 64 MiB tensor copy (read + write counted).
+    Cached per process."""
+    a = torch.randn(1024, 1024)
+    b = torch.randn(1024, 1024)
+    src = torch.empty(16 * 2**20)
+    dst = torch.empty_like(src)
+    best_mm = best_copy = float("inf")
+    torch.mm(a, b)
+    dst.copy_(src)
+    for _ in range(3):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best_mm = min(best_mm, time.perf_counter() - start)
+        start = time.perf_counter()
+        dst.copy_(src)
+        best_copy = min(best_copy, time.perf_counter() - start)
+    flops = 2 * 1024**3 / best_mm
+    bandwidth = 2 * src.numel() * src.element_size() / best_copy
+    return flops, bandwidth
+
+
+def cpu_spec() -> DeviceSpec:
+    """This machine's CPU: calibrated FLOP/s and bandwidth, RAM as memory."""
+    flops, bandwidth = calibrate_cpu()
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        memory = 0
+    return DeviceSpec("cpu", "this CPU (calibrated)", int(memory), flops, flops, bandwidth,
+                      "measured here: 1024x1024 float32 matmul and a 64 MiB copy, best of 3")
+
+
+def _present_cuda() -> DeviceSpec | None:
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    lower = props.name.lower()
+    for needle, name in _CUDA_NAMES:
+        if needle in lower:
+            base = DEVICES[name]
+            return DeviceSpec(base.name, props.name, int(props.total_memory), base.fp32_flops,
+                              base.bf16_flops, base.bandwidth,
+                              base.source + "; memory from torch.cuda.get_device_properties")
+    return None
+
+
+def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") -> DeviceSpec:
+    """The :class:`DeviceSpec` for a name, a mapping of figures, or ``auto``.
+
+    ``auto`` is the GPU present if it is in the table, else ``cpu`` (calibrated). A mapping
+    gives a device by hand: ``name``, ``memory_bytes``, ``fp32_flops``, ``bf16_flops``,
+    ``bandwidth`` (``title`` and ``source`` optional).
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones and how to give figures by
+            hand), a mapping missing figures, a present GPU not in the table under ``auto``.
+    """
+    if isinstance(device, DeviceSpec):
+        return device
+    if isinstance(device, dict) or hasattr(device, "items"):
+        fields = dict(device.items())
+        need = ("name", "memory_bytes", "fp32_flops", "bf16_flops", "bandwidth")
+        missing = [k for k in need if k not in fields]
+        if missing:
+            raise ValueError(f"{key}: a device given by hand needs {', '.join(need)}; "
+                             f"missing {', '.join(missing)}")
+        try:
+            return DeviceSpec(str(fields["name"]), str(fields.get("title", fields["name"])),
+                              int(float(fields["memory_bytes"])), float(fields["fp32_flops"]),
+                              float(fields["bf16_flops"]), float(fields["bandwidth"]),
+                              str(fields.get("source", "given by hand")))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{key}: device figures must be numbers ({err})") from err
+    name = str(device).strip().lower().replace("-", "_")
+    if name == "auto":
+        present = _present_cuda()
+        if present is not None:
+            return present
+        if torch.cuda.is_available():
+            raise ValueError(f"{key}=auto: the GPU here ({torch.cuda.get_device_name()}) is "
+                             f"not in the device table; name one ({', '.join(DEVICES)}) or "
+                             "give its figures by hand")
+        return cpu_spec()
+    if name == "cpu":
+        return cpu_spec()
+    if name in DEVICES:
+        return DEVICES[name]
+    raise _unknown(str(device), key)

@@ -1,0 +1,429 @@
+"""The memory-budget planner: the least recompute that fits a budget, planned on any machine.
+
+:func:`make_plan` profiles the candidate units of the network (one fake batch,
+:mod:`remat.planner.profile`), searches their segments and modes under the modelled peak
+(:mod:`remat.planner.search`), then *traces* the plan's training step (FakeTensorMode +
+MemTracker, two optimizer steps, as ``remat.estimate``) and corrects the search's target by
+what the trace shows, until the traced peak plus the margin fits the budget. Every plan
+returned has been traced; its ``predicted_peak_bytes`` is that trace.
+
+The margin (``margin``, a fraction of the budget, default 0.05) covers what a tensor-level
+trace cannot see: temporaries inside backward kernels (on this CPU 36 MiB inside
+``convolution_backward`` of a U-Net-R34 at 512 px, 4% of its peak, seen by
+``torch.profiler`` memory events) and, on CUDA, kernel workspaces and the allocator's
+512-byte rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.measure import format_bytes
+from remat.measure.trace import trace_step
+from remat.planner.devices import DeviceSpec, get_device
+from remat.planner.memory import parse_memory
+from remat.planner.plan import Plan, PlanStrategy, UnitPlan
+from remat.planner.profile import Profile, profile_model
+from remat.planner.search import (
+    Option,
+    best_plan,
+    cap_values,
+    chain_frontier,
+    evaluate_chain,
+    modelled_peak,
+    to_block,
+)
+from remat.strategies.base import CheckpointStrategy
+from remat.strategies.none import NoCheckpoint
+from remat.strategies.segments import every_k_segments, sqrt_segments
+
+log = logging.getLogger(__name__)
+
+Builder = Callable[[CheckpointStrategy], nn.Module]
+
+
+def keep_segments(n: int) -> list[tuple[int, int, str]]:
+    return [(i, i + 1, "keep") for i in range(n)]
+
+
+def full_segments(n: int) -> list[tuple[int, int, str]]:
+    return [(i, i + 1, "recompute") for i in range(n)]
+
+
+def selective_segments(n: int) -> list[tuple[int, int, str]]:
+    return [(i, i + 1, "selective") for i in range(n)]
+
+
+def sqrt_segments_of(n: int) -> list[tuple[int, int, str]]:
+    return [(a, b, "recompute") for a, b in sqrt_segments(n)]
+
+
+def k_segments(n: int, k: int) -> list[tuple[int, int, str]]:
+    return [(a, b, "recompute") for a, b in every_k_segments(n, k)]
+
+
+def one_segment(n: int) -> list[tuple[int, int, str]]:
+    return [(0, n, "recompute")]
+
+
+class InfeasibleBudget(ValueError):
+    """No plan fits the budget; the message gives the smallest peak any plan reaches, its
+    parts, and what would fit instead."""
+
+
+@dataclass
+class Traced:
+    """A traced step: peak bytes, its categories, FLOPs of one batch."""
+
+    peak_bytes: int
+    categories: dict[str, int]
+    step_flops: int
+
+
+@dataclass
+class Planned:
+    """What :func:`make_plan` found: the plan, the floor (smallest traced peak), the traces
+    made (``(target, traced peak, time)``), and the seconds it took."""
+
+    plan: Plan
+    floor_bytes: int
+    traces: list[tuple[int, int, float]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def trace(build: Builder, strategy: CheckpointStrategy, batch_size: int, size: Any,
+          precision: str, accumulate_grad_batches: int = 1,
+          device: torch.device | None = None) -> Traced:
+    """Trace one training step of ``build(strategy)`` (peak over two optimizer steps, FLOPs
+    of one batch with recompute)."""
+    _, peak = trace_step(lambda: build(strategy), batch_size, size,
+                         device or torch.device("cpu"), precision, fake=True,
+                         accumulate_grad_batches=accumulate_grad_batches, count_flops=True)
+    return Traced(int(peak.peak_bytes), dict(peak.categories), int(peak.step_flops or 0))
+
+
+class Planner:
+    """Profile once, then plan for any number of budgets (the frontier reuses the profile).
+
+    Args:
+        build: ``strategy -> model`` (a model with ``net``, ``example_batch``,
+            ``training_loss``, ``configure_optimizers``; remat's LightningModules).
+        batch_size, size, precision, accumulate_grad_batches: the run shape.
+        device: a device name, mapping or :class:`DeviceSpec` (see
+            :func:`remat.planner.devices.get_device`).
+        units: candidate unit paths (globs), or ``None`` for the whole network.
+        margin: fraction of the budget kept free for allocator temporaries.
+        max_traces: traces per budget before giving the best one found.
+        max_segment: longest recompute segment (blocks).
+    """
+
+    def __init__(self, build: Builder, batch_size: int, size: Any, precision: str = "32-true",
+                 accumulate_grad_batches: int = 1, device: str | dict | DeviceSpec = "auto",
+                 units: Sequence[str] | None = None, margin: float = 0.05,
+                 max_traces: int = 6, max_segment: int | None = None,
+                 objective: str = "time", default_stages: Sequence[str] = ()) -> None:
+        if objective not in ("time", "flops"):
+            raise ValueError(f"strategy.objective={objective!r}: use time (roofline on the "
+                             "device) or flops (recompute FLOPs, device-independent)")
+        self.objective = objective
+        self.default_stages = list(default_stages or [])
+        if not (0 <= float(margin) < 1):
+            raise ValueError(f"strategy.margin={margin!r}: a fraction of the budget in [0, 1)")
+        self.build = build
+        self.batch_size, self.size = batch_size, size
+        self.precision, self.accumulate = precision, accumulate_grad_batches
+        self.spec = get_device(device)
+        self.units_paths = list(units) if units else None
+        self.margin = float(margin)
+        self.max_traces = int(max_traces)
+        self.max_segment = max_segment
+        self.cache: dict[str, Traced] = {}
+        start = time.perf_counter()
+        self.profile: Profile = profile_model(lambda: build(NoCheckpoint()), self.units_paths,
+                                              self.spec, batch_size, size, precision)
+        self.none = self.trace(NoCheckpoint())
+        self._prepare()
+        self.setup_seconds = time.perf_counter() - start
+
+    # -- model -------------------------------------------------------------------------
+    def trace(self, strategy: CheckpointStrategy, build: Builder | None = None,
+              key: str = "") -> Traced:
+        """Trace a step of the model with ``strategy`` (``build``: another builder, e.g.
+        with other stages; ``key`` names it in the cache)."""
+        key += repr(strategy.plan.units) if isinstance(strategy, PlanStrategy) else repr(
+            strategy)
+        if key not in self.cache:
+            self.cache[key] = trace(build or self.build, strategy, self.batch_size, self.size,
+                                    self.precision, self.accumulate)
+        return self.cache[key]
+
+    def _prepare(self) -> None:
+        prof = self.profile
+        self.blocks = {u.path: [to_block(prof.blocks[b], self.objective) for b in u.blocks]
+                       for u in prof.units}
+        # a tensor two units refer to (a U-Net skip, a stage output feeding the next stage)
+        # stays alive whatever either does: it counts once, in the base
+        users: dict[Any, set[str]] = {}
+        for u in prof.units:
+            for b in u.blocks:
+                cost = prof.blocks[b]
+                for key in [*cost.inputs, *cost.saved]:
+                    users.setdefault(key, set()).add(u.path)
+        free = dict(prof.saved_elsewhere)
+        for u in prof.units:
+            for b in u.blocks:
+                cost = prof.blocks[b]
+                for table in (cost.inputs, cost.saved):
+                    free.update({k: v for k, v in table.items() if len(users[k]) > 1})
+        self.free = free
+        keep_all = {p: evaluate_chain(bl, [(i, i + 1, "keep") for i in range(len(bl))], free)
+                    for p, bl in self.blocks.items()}
+        self.base = self.none.peak_bytes - sum(o.kept for o in keep_all.values())
+        # Lightning's zero_grad after the forward frees the previous step's gradients before
+        # the backward (not while gradients accumulate over batches)
+        self.release = (self.none.categories.get("gradients", 0)
+                        if self.accumulate == 1 else 0)
+        transients = [o.transient for bl in self.blocks.values()
+                      for o in chain_frontier(bl, None, free, self.max_segment)]
+        transients += [sum(b.saved.values()) for bl in self.blocks.values() for b in bl]
+        self.caps = cap_values([t for t in transients if t > 0], 12)
+        self.frontiers = {p: {cap: chain_frontier(bl, cap, free, self.max_segment)
+                              for cap in [*self.caps, None]}
+                          for p, bl in self.blocks.items()}
+        self.granularity = max(1, self.none.peak_bytes // 4096)
+
+    def _plan_of(self, choice: dict[str, Option]) -> Plan:
+        kinds = {u.path: u.kind for u in self.profile.units}
+        units = [UnitPlan(p, kinds[p], list(opt.segments)) for p, opt in choice.items()]
+        plan = Plan(units=units, model=self.model_name, fingerprint=self.profile.fingerprint,
+                    batch_size=self.batch_size, size=self.size, precision=self.precision,
+                    accumulate_grad_batches=self.accumulate, device=self.spec.name,
+                    none_peak_bytes=self.none.peak_bytes, step_flops=self.none.step_flops,
+                    objective=self.objective)
+        plan.predicted_overhead = 1.0 + self.modelled_time(plan) / max(
+            self.profile.step_time, 1e-12)
+        return plan
+
+    @property
+    def model_name(self) -> str:
+        return self.profile.model
+
+    def _finish(self, plan: Plan, traced: Traced, budget: int, margin: int) -> Plan:
+        plan.budget_bytes = budget
+        plan.margin_bytes = margin
+        plan.predicted_peak_bytes = traced.peak_bytes
+        plan.recompute_flops = max(0, traced.step_flops - self.none.step_flops)
+        return plan
+
+    def floor(self) -> tuple[Plan, Traced]:
+        """The plan with the least traced peak among: the least modelled peak, and every
+        unit recomputed block by block, in sqrt(n) segments, or as one segment."""
+        if getattr(self, "_floor", None) is None:
+            best = None
+            for cap in [*self.caps, None]:
+                choice = {p: by_cap[cap][0] for p, by_cap in self.frontiers.items()}
+                peak = modelled_peak(self.base, sum(o.kept for o in choice.values()), max(
+                    (o.transient for o in choice.values()), default=0), self.release)
+                if best is None or peak < best[0]:
+                    best = (peak, choice)
+            plans = [self._plan_of(best[1])]
+            for segments in (full_segments, sqrt_segments_of, one_segment):
+                plans.append(self._plan_of({u.path: self._option(u.path, segments(
+                    len(u.blocks))) for u in self.profile.units}))
+            traced = [(self.trace(PlanStrategy(p)), p) for p in plans]
+            floor, plan = min(traced, key=lambda x: x[0].peak_bytes)
+            self._floor = (plan, floor)
+        return self._floor
+
+    def _option(self, path: str, segments: list[tuple[int, int, str]]) -> Option:
+        return evaluate_chain(self.blocks[path], segments, self.free)
+
+    def references(self, default_stages: Sequence[str] = ()) -> list[tuple[str, Plan]]:
+        """The fixed strategies written as plans of the candidate units: ``full``,
+        ``sqrtn``, ``every_k`` k=2/4 and ``selective`` over the whole network and over
+        ``default_stages`` (those of them that are candidate units)."""
+        whole = [u.path for u in self.profile.units]
+        sets = [("whole network", whole)]
+        chosen = [p for p in default_stages if p in whole]
+        if chosen and chosen != whole:
+            sets.append(("default stages", chosen))
+        out = []
+        for label, paths in sets:
+            for name, segments in (("full", full_segments), ("sqrtn", sqrt_segments_of),
+                                   ("every_k k=2", lambda n: k_segments(n, 2)),
+                                   ("every_k k=4", lambda n: k_segments(n, 4)),
+                                   ("selective matmul", selective_segments)):
+                choice = {u.path: self._option(u.path, segments(len(u.blocks))
+                                               if u.path in paths else keep_segments(
+                                                   len(u.blocks))) for u in self.profile.units}
+                out.append((f"{name} ({label})", self._plan_of(choice)))
+        return out
+
+    # -- search ------------------------------------------------------------------------
+    def plan(self, memory: Any) -> Planned:
+        """The plan with the least modelled recompute time whose traced peak plus margin fits
+        ``memory`` (see :func:`remat.planner.memory.parse_memory`).
+
+        Raises:
+            ValueError: a bad ``memory`` (names ``strategy.memory``).
+            InfeasibleBudget: not even the floor plan fits.
+        """
+        start = time.perf_counter()
+        budget = parse_memory(memory, self.spec.memory_bytes or None)
+        margin = int(budget * self.margin)
+        allowed = budget - margin
+        if self.none.peak_bytes <= allowed:
+            plan = self._plan_of({u.path: Option(0, 0, 0.0, 0, [
+                (i, i + 1, "keep") for i in range(len(u.blocks))]) for u in self.profile.units})
+            return Planned(self._finish(plan, self.none, budget, margin), self.none.peak_bytes,
+                           [], time.perf_counter() - start)
+        floor_plan, floor = self.floor()
+        if floor.peak_bytes > allowed:
+            raise InfeasibleBudget(self.infeasible_message(budget, margin, floor_plan, floor))
+        # the additive model is calibrated on two traced points, none and the floor plan:
+        # modelled bytes per traced byte between them
+        modelled_floor = self.modelled(floor_plan)
+        scale = ((self.none.peak_bytes - modelled_floor) / (self.none.peak_bytes - floor.peak_bytes)
+                 if self.none.peak_bytes > floor.peak_bytes else 1.0)
+        target = max(modelled_floor, int(self.none.peak_bytes
+                                         - (self.none.peak_bytes - allowed) * scale))
+        traces: list[tuple[int, int, float]] = []
+        pool: list[tuple[Plan, Traced]] = [(floor_plan, floor)]
+        low, high = modelled_floor, None
+        for _ in range(self.max_traces):
+            found = best_plan(self.frontiers, self.base, target, self.granularity,
+                              self.release)
+            if found is None:
+                low, target = target, (target + (high or self.none.peak_bytes)) // 2
+                continue
+            modelled_time, _, choice = found
+            plan = self._plan_of(choice)
+            traced = self.trace(PlanStrategy(plan))
+            traces.append((target, traced.peak_bytes, modelled_time))
+            if traced.peak_bytes <= allowed:
+                pool.append((plan, traced))
+                low = target
+                slack = allowed - traced.peak_bytes
+                if slack < 0.01 * allowed:
+                    break
+                nxt = target + int(slack * scale)
+            else:
+                high = target
+                nxt = target - int((traced.peak_bytes - allowed) * scale) - self.granularity
+            if high is not None:
+                nxt = min(max(nxt, low + 1), high - 1)
+                if high - low <= self.granularity:
+                    break
+            if nxt == target:
+                break
+            target = nxt
+        plan, traced = min(pool, key=self._rank)
+        # the fixed strategies, written as plans: one that fits and costs less wins
+        for _, ref in self.references(self.default_stages):
+            if self.modelled_cost(ref) < self._rank((plan, traced))[0]:
+                ref_traced = self.trace(PlanStrategy(ref))
+                if ref_traced.peak_bytes <= allowed and self._rank(
+                        (ref, ref_traced)) < self._rank((plan, traced)):
+                    plan, traced = ref, ref_traced
+        return Planned(self._finish(plan, traced, budget, margin), floor.peak_bytes, traces,
+                       time.perf_counter() - start)
+
+    def modelled_cost(self, plan: Plan) -> float:
+        """The search's objective for ``plan``: modelled recompute time (s) or FLOPs."""
+        return sum(evaluate_chain(self.blocks[u.path], u.segments,
+                                  self.free).time for u in plan.units)
+
+    def _rank(self, item: tuple[Plan, Traced]) -> tuple[float, float]:
+        plan, traced = item
+        flops = traced.step_flops - self.none.step_flops
+        if self.objective == "flops":
+            return (float(flops), self.modelled_time(plan))
+        return (self.modelled_cost(plan), float(flops))
+
+    def modelled(self, plan: Plan) -> int:
+        """The additive model's peak of ``plan`` (bytes)."""
+        options = [evaluate_chain(self.blocks[u.path], u.segments,
+                                  self.free) for u in plan.units]
+        return modelled_peak(self.base, sum(o.kept for o in options),
+                             max((o.transient for o in options), default=0), self.release)
+
+    def modelled_time(self, plan: Plan) -> float:
+        """The modelled recompute time of ``plan`` (s, roofline on the planned device)."""
+        total = 0.0
+        for u in plan.units:
+            for start, end, mode in u.segments:
+                costs = [self.profile.blocks[b] for b in self._unit(u.path).blocks[start:end]]
+                if mode == "recompute":
+                    total += sum(c.time for c in costs)
+                elif mode == "selective":
+                    total += sum(c.selective_time for c in costs)
+        return total
+
+    def _unit(self, path: str) -> Any:
+        return next(u for u in self.profile.units if u.path == path)
+
+    def infeasible_message(self, budget: int, margin: int, plan: Plan, floor: Traced) -> str:
+        """What the smallest plan needs, its parts, and what would fit instead."""
+        cats = floor.categories
+        static = sum(cats.get(k, 0) for k in ("parameters", "buffers", "gradients",
+                                              "optimizer_state"))
+        largest = max((sum(b.saved.values()) for bl in self.blocks.values() for b in bl),
+                      default=0)
+        dynamic = max(1, floor.peak_bytes - static)
+        room = budget - margin - static
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in cats.items()
+                          if k != "total" and v)
+        lines = [f"strategy.memory={format_bytes(budget)}: no plan fits. The smallest peak any "
+                 f"plan reaches is {format_bytes(floor.peak_bytes)} (+ margin "
+                 f"{format_bytes(margin)}) at batch {self.batch_size}, size {self.size}, "
+                 f"{self.precision}, on {self.spec.name}.",
+                 f"  at that peak: {parts}",
+                 f"  largest unit's internals (recomputed one at a time): "
+                 f"{format_bytes(largest)}",
+                 f"  units: {plan.summary()}"]
+        if room <= 0:
+            lines.append(f"  parameters, gradients and optimizer state alone take "
+                         f"{format_bytes(static)}: use a smaller model or shard it (FSDP)")
+        else:
+            scale = room / dynamic
+            if self.batch_size > 1 and scale * self.batch_size >= 1:
+                lines.append(f"  would fit instead: data.batch_size="
+                             f"{max(1, math.floor(self.batch_size * scale))} (activations scale "
+                             "with the batch; about)")
+            if isinstance(self.size, int) and self.profile.kind == "image":
+                side = math.floor(self.size * math.sqrt(scale) / 32) * 32
+                if side >= 32:
+                    lines.append(f"  or data.image_size={side} (activations scale with the "
+                                 "pixel count; about)")
+        if self.precision == "32-true":
+            lines.append("  or precision=bf16-mixed (activations in 16 bits)")
+        return "\n".join(lines)
+
+
+def make_plan(build: Builder, batch_size: int, size: Any, memory: Any,
+              precision: str = "32-true", device: str | dict | DeviceSpec = "auto",
+              **kwargs: Any) -> Planned:
+    """Plan for one budget (:class:`Planner` then :meth:`Planner.plan`).
+
+    Args:
+        build: ``strategy -> model`` (see :class:`Planner`).
+        memory: the budget: ``12GiB``, ``"12 GB"``, bytes, or a fraction of the device's
+            memory such as ``0.8``.
+        **kwargs: :class:`Planner` arguments (``units``, ``margin``, ...).
+
+    Raises:
+        ValueError: a bad budget, device or unit list (naming the key).
+        InfeasibleBudget: nothing fits (the message says what would).
+    """
+    planner = Planner(build, batch_size, size, precision, device=device, **kwargs)
+    planned = planner.plan(memory)
+    planned.seconds += planner.setup_seconds
+    return planned

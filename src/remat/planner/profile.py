@@ -1,0 +1,310 @@
+"""Cost model of the planner's candidate units, from one fake training batch (no allocation).
+
+:func:`profile_model` builds the model with no checkpointing under ``FakeTensorMode``, runs
+forward, loss and backward of one batch, and records per op (a ``TorchDispatchMode``) its
+FLOPs (``torch.utils.flop_counter`` formulas), the bytes it reads and writes, and which
+candidate block runs it; per block (forward hooks) the storages of its inputs and outputs;
+and per saved tensor (``torch.autograd.graph.saved_tensors_hooks``) which block saved it and
+which op made it. From that, :class:`BlockCost` gives for each block what keeping it, recomputing
+it, or recomputing all but its matmul/convolution/SDPA outputs (the ``selective`` preset)
+costs in bytes kept and in recompute time on a device (a roofline per op, see
+:mod:`remat.planner.devices`).
+
+Candidates (:func:`find_candidates`): every outermost chain (``nn.Sequential``,
+``nn.ModuleList``, ``nn.ModuleDict``) of the network, and every outermost module with children
+that holds no chain and lies in none (a head, a stem block): the whole network, not only the
+model's default stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from remat.measure.step import autocast
+from remat.measure.trace import _batch, run_built
+from remat.planner.devices import DeviceSpec
+from remat.strategies.segmented import CHAIN_TYPES, chain_members
+from remat.strategies.selective import SelectiveCheckpoint, _flops, _storage_key
+
+
+@dataclass
+class Unit:
+    """A candidate unit: a chain (its members are the blocks) or one module (one block)."""
+
+    path: str
+    kind: str  # "chain" | "module"
+    blocks: list[str]  # dotted paths of its blocks, in order
+
+
+@dataclass
+class BlockCost:
+    """What one block costs (bytes; time in seconds on the planned device).
+
+    Attributes:
+        path: the block's dotted path.
+        flops: forward FLOPs (what a recompute of the block adds).
+        time: roofline forward time of its ops (s).
+        selective_flops, selective_time: FLOPs and time of the ops the ``selective`` preset
+            recomputes (all but matmul, convolution and SDPA).
+        saved: storage key -> bytes of the tensors its ops save for backward (parameters
+            excluded).
+        selective_saved: the part of ``saved`` the selective preset keeps (outputs of
+            matmul, convolution and SDPA ops).
+        inputs: storage key -> bytes of the tensors it is called with.
+        outputs: storage key -> bytes of the tensors it returns.
+    """
+
+    path: str
+    flops: int = 0
+    time: float = 0.0
+    selective_flops: int = 0
+    selective_time: float = 0.0
+    saved: dict[Any, int] = field(default_factory=dict)
+    selective_saved: dict[Any, int] = field(default_factory=dict)
+    inputs: dict[Any, int] = field(default_factory=dict)
+    outputs: dict[Any, int] = field(default_factory=dict)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+
+@dataclass
+class Profile:
+    """Costs of every candidate of one model at one batch and size.
+
+    Attributes:
+        units: the candidate units.
+        blocks: block path -> :class:`BlockCost`.
+        step_flops: FLOPs of forward + backward of the batch (no recompute).
+        step_time: roofline time of forward + backward (s).
+        saved_elsewhere: storage key -> bytes of tensors saved by ops outside every block.
+        fingerprint: module paths and parameter shapes of the network (plan files).
+        model: the network's class name; ``kind``: ``image`` or ``sequence`` (its batch).
+    """
+
+    units: list[Unit]
+    blocks: dict[str, BlockCost]
+    step_flops: int
+    step_time: float
+    saved_elsewhere: dict[Any, int]
+    fingerprint: str
+    model: str = ""
+    kind: str = "image"
+
+
+def _has_chain(module: nn.Module) -> bool:
+    return any(isinstance(m, CHAIN_TYPES) and len(m) > 0 for m in module.modules())
+
+
+def find_candidates(net: nn.Module, paths: Sequence[str] | None = None) -> list[Unit]:
+    """The units the planner may wrap.
+
+    Args:
+        net: the network (for remat's modules, ``model.net``).
+        paths: stage paths (globs allowed) to use instead of the automatic choice; a chain
+            among them is a chain unit, anything else a module unit.
+
+    Raises:
+        remat.strategies.StageError: a path matches nothing.
+        ValueError: the network has no unit (no chain and no module with children).
+    """
+    from remat.strategies.stages import resolve_stages
+
+    if paths:
+        found = resolve_stages(net, paths)
+    else:
+        found, taken = [], []
+        for name, module in net.named_modules():
+            if not name or any(name.startswith(t + ".") for t in taken):
+                continue
+            if isinstance(module, CHAIN_TYPES) and len(module) > 0:
+                found.append((name, module))
+                taken.append(name)
+            elif len(list(module.children())) and not _has_chain(module):
+                found.append((name, module))
+                taken.append(name)
+    units = []
+    for name, module in found:
+        if isinstance(module, CHAIN_TYPES):
+            units.append(Unit(name, "chain", [f"{name}.{n}" for n, _ in chain_members(module)]))
+        else:
+            units.append(Unit(name, "module", [name]))
+    if not units:
+        raise ValueError(f"planner: {type(net).__name__} has no unit the planner can wrap (no "
+                         "nn.Sequential/ModuleList/ModuleDict and no module with children); "
+                         "name the modules with strategy.units=[...]")
+    return units
+
+
+def fingerprint(net: nn.Module) -> str:
+    """A short hash of the network's parameter names, shapes and dtypes."""
+    import hashlib
+
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in net.named_parameters())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return int(t.numel() * t.element_size())
+
+
+def _tensor_bytes(values: Any) -> dict[Any, int]:
+    out: dict[Any, int] = {}
+    for t in tree_flatten(values)[0]:
+        if isinstance(t, torch.Tensor):
+            key = _storage_key(t)
+            if key is not None:
+                out[key] = _nbytes(t)
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    """Per op: FLOPs, bytes read and written, the innermost block running it; which op
+    made each storage (for the selective preset)."""
+
+    def __init__(self, device: DeviceSpec, precision: str, selective: SelectiveCheckpoint
+                 ) -> None:
+        super().__init__()
+        self.flops_rate = device.flops_for(precision)
+        self.bandwidth = device.bandwidth
+        self.selective = selective
+        self.stack: list[str] = []
+        self.blocks: dict[str, BlockCost] = {}
+        self.maker: dict[Any, tuple[str | None, bool]] = {}
+        self.step_flops = 0
+        self.step_time = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flops = _flops(func, args, kwargs, out)
+        moved = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0]
+                    if isinstance(t, torch.Tensor))
+        seconds = max(flops / self.flops_rate, moved / self.bandwidth)
+        self.step_flops += flops
+        self.step_time += seconds
+        block = self.stack[-1] if self.stack else None
+        saves = self.selective.saves_output(func)
+        if block is not None and torch.is_grad_enabled():
+            cost = self.blocks[block]
+            cost.flops += flops
+            cost.time += seconds
+            if not saves:
+                cost.selective_flops += flops
+                cost.selective_time += seconds
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = _storage_key(t)
+                if key is not None and key not in self.maker:
+                    self.maker[key] = (block, saves)
+        return out
+
+
+def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int, size: Any,
+                precision: str, torch_device: torch.device) -> Callable[[nn.Module], Profile]:
+    def fn(model: nn.Module) -> Profile:
+        model.train()
+        net = getattr(model, "net", model)
+        units = find_candidates(net, paths)
+        named = dict(net.named_modules())
+        recorder = _Recorder(device, precision, SelectiveCheckpoint("matmul"))
+        handles = []
+        for unit in units:
+            for path in unit.blocks:
+                recorder.blocks[path] = BlockCost(path)
+                module = named[path]
+
+                def pre(mod, args, kwargs, path=path):
+                    if torch.is_grad_enabled():
+                        recorder.blocks[path].inputs.update(_tensor_bytes((args, kwargs)))
+                    recorder.stack.append(path)
+
+                def post(mod, args, kwargs, output, path=path):
+                    recorder.stack.pop()
+                    if torch.is_grad_enabled():
+                        recorder.blocks[path].outputs.update(_tensor_bytes(output))
+
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(module.register_forward_hook(post, with_kwargs=True))
+        params = {_storage_key(p) for p in [*model.parameters(), *model.buffers()]}
+        saved_by: dict[Any, tuple[str | None, int]] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage_key(t)
+            if key is not None and key not in params and key not in saved_by:
+                saved_by[key] = (recorder.stack[-1] if recorder.stack else None, _nbytes(t))
+            return t
+
+        batch = _batch(model, batch_size, size, torch_device)
+        with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with autocast(torch_device, precision):
+                loss = model.training_loss(batch)
+        with recorder:
+            loss.backward()
+        for h in handles:
+            h.remove()
+        elsewhere: dict[Any, int] = {}
+        for key, (block, nbytes) in saved_by.items():
+            if block is None:
+                elsewhere[key] = nbytes
+                continue
+            cost = recorder.blocks[block]
+            cost.saved[key] = nbytes
+            _, saves = recorder.maker.get(key, (None, False))
+            if saves:
+                cost.selective_saved[key] = nbytes
+        return Profile(units=units, blocks=recorder.blocks, step_flops=recorder.step_flops,
+                       step_time=recorder.step_time, saved_elsewhere=elsewhere,
+                       fingerprint=fingerprint(net), model=type(net).__name__,
+                       kind="image" if "image" in batch else "sequence")
+    return fn
+
+
+def profile_model(build: Callable[[], nn.Module], paths: Sequence[str] | None,
+                  device: DeviceSpec, batch_size: int, size: Any, precision: str,
+                  torch_device: torch.device | None = None) -> Profile:
+    """Profile the candidate units of ``build()`` (a model without checkpointing, with
+    ``net``, ``example_batch`` and ``training_loss``) for one batch under ``FakeTensorMode``.
+
+    Args:
+        paths: candidate unit paths (globs), or ``None`` for :func:`find_candidates`'s choice.
+        device: the device whose roofline times the ops.
+
+    Raises:
+        remat.strategies.StageError, ValueError: see :func:`find_candidates`.
+    """
+    torch_device = torch_device or torch.device("cpu")
+    return run_built(build, _picklable(_profile_fn(paths, device, batch_size, size,
+                                                   precision, torch_device)),
+                     torch_device, fake=True)
+
+
+def _picklable(fn: Callable[[nn.Module], Profile]) -> Callable[[nn.Module], Profile]:
+    """Replace the (device, 'fake', cdata) storage keys by ints, consistently (the profile
+    is pickled out of the tracing child)."""
+    def wrapped(model: nn.Module) -> Profile:
+        profile = fn(model)
+        ids: dict[Any, int] = {}
+
+        def remap(table: dict[Any, int]) -> dict[int, int]:
+            return {ids.setdefault(k, len(ids)): v for k, v in table.items()}
+
+        for cost in profile.blocks.values():
+            cost.saved = remap(cost.saved)
+            cost.selective_saved = remap(cost.selective_saved)
+            cost.inputs = remap(cost.inputs)
+            cost.outputs = remap(cost.outputs)
+        profile.saved_elsewhere = remap(profile.saved_elsewhere)
+        return profile
+    return wrapped

@@ -1,0 +1,294 @@
+"""Search: which blocks to keep, recompute (in which segments) or recompute selectively.
+
+Memory model of a plan (bytes), Chen et al. 2016 (arXiv 1604.06174, sec. 4) generalised to
+heterogeneous blocks and mixed modes as in rotor (Beaumont et al. 2019, arXiv 1911.13214):
+a unit's *kept* bytes are what stays alive from its forward to its backward, and its
+*transient* bytes what a recompute materialises again; the plan's peak is modelled as the
+higher of the forward's end, ``base + sum(kept)``, and the backward's worst recompute,
+``base - release + sum(kept) + max(transient)`` (``base``: everything outside the
+candidates; ``release``: what is freed in between, :func:`modelled_peak`). The trace, not
+this sum, decides in the end (see :mod:`remat.planner`).
+
+Per segment ``s`` of a chain, in mode
+
+- ``keep`` (one block): kept = the tensors its ops save, transient 0, time 0;
+- ``recompute`` (blocks ``[start, end)``): kept = its inputs from outside the segment,
+  transient = what its blocks save, time = their forward time;
+- ``selective`` (one block, matmul preset): kept = its inputs and the outputs of its
+  matmul/convolution/SDPA ops it saves, transient = the rest of what it saves, time = the
+  forward time of its other ops.
+
+Kept tensors are counted by storage, once per pair of neighbouring segments (a kept block's
+saved output that is also the next segment's input counts once) and not at all when an op
+outside every candidate saves them anyway.
+
+:func:`chain_frontier` is an exact dynamic program over (position, last segment) for the
+Pareto set of (kept, time) of one chain under a transient cap; :func:`best_plan` combines
+the units' Pareto sets (an exact merge, rounded to a byte granularity) for each cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("keep", "recompute", "selective")
+
+
+@dataclass(frozen=True)
+class Block:
+    """The costs of one block the search needs (bytes, s, FLOPs); see
+    :class:`remat.planner.profile.BlockCost`."""
+
+    saved: dict
+    selective_saved: dict
+    inputs: dict
+    outputs: dict
+    time: float
+    flops: int
+    selective_time: float
+    selective_flops: int
+
+
+@dataclass
+class Option:
+    """One way to run a unit: ``segments`` ``[(start, end, mode), ...]`` partitioning its
+    blocks; kept and transient bytes, recompute time (s) and FLOPs."""
+
+    kept: int
+    transient: int
+    time: float
+    flops: int
+    segments: list[tuple[int, int, str]] = field(default_factory=list)
+
+
+def _bytes(keys: dict) -> int:
+    return sum(keys.values())
+
+
+def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
+                 ) -> tuple[dict, int, float, int]:
+    """``(kept storages, transient bytes, time, FLOPs)`` of one segment in ``mode``.
+
+    Raises:
+        ValueError: unknown mode, or ``keep``/``selective`` over more than one block.
+    """
+    if mode not in MODES:
+        raise ValueError(f"planner: unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    if mode != "recompute" and end - start != 1:
+        raise ValueError(f"planner: mode {mode!r} is per block, got blocks [{start}, {end})")
+    if mode == "keep":
+        return dict(blocks[start].saved), 0, 0.0, 0
+    produced: dict = {}
+    inputs: dict = {}
+    for b in blocks[start:end]:
+        inputs.update({k: v for k, v in b.inputs.items() if k not in produced})
+        produced.update(b.outputs)
+    if mode == "selective":
+        b = blocks[start]
+        kept = inputs | b.selective_saved
+        rest = {k: v for k, v in b.saved.items() if k not in b.selective_saved}
+        return kept, _bytes(rest), b.selective_time, b.selective_flops
+    internal: dict = {}
+    for b in blocks[start:end]:
+        internal.update(b.saved)
+    return (inputs, _bytes(internal), sum(b.time for b in blocks[start:end]),
+            sum(b.flops for b in blocks[start:end]))
+
+
+def evaluate_chain(blocks: Sequence[Block], segments: Sequence[tuple[int, int, str]],
+                   free: dict | None = None) -> Option:
+    """Kept, transient, time and FLOPs of one plan of a chain under the memory model above.
+
+    Raises:
+        ValueError: segments that do not partition the chain in order, or a bad mode.
+    """
+    free = free or {}
+    pos, kept, transient, time, flops, prev = 0, 0, 0, 0.0, 0, {}
+    for start, end, mode in segments:
+        if start != pos or end <= start:
+            raise ValueError(f"planner: segments {list(segments)} do not partition "
+                             f"{len(blocks)} blocks in order")
+        keys, trans, t, f = segment_keys(blocks, start, end, mode)
+        kept += sum(v for k, v in keys.items() if k not in prev and k not in free)
+        transient, time, flops, prev, pos = max(transient, trans), time + t, flops + f, keys, end
+    if pos != len(blocks):
+        raise ValueError(f"planner: segments {list(segments)} do not cover {len(blocks)} "
+                         "blocks")
+    return Option(kept, transient, time, flops, list(segments))
+
+
+def _pareto(labels: Iterable[Option]) -> list[Option]:
+    """Options not dominated in (kept, time), sorted by kept."""
+    out: list[Option] = []
+    for opt in sorted(labels, key=lambda o: (o.kept, o.time, o.flops)):
+        if not out or opt.time < out[-1].time - 1e-15:
+            out.append(opt)
+    return out
+
+
+def chain_frontier(blocks: Sequence[Block], cap: int | None = None, free: dict | None = None,
+                   max_segment: int | None = None, modes: Sequence[str] = MODES
+                   ) -> list[Option]:
+    """Every Pareto-optimal plan of one chain in (kept bytes, recompute time) whose
+    transient bytes stay <= ``cap`` (``None``: no cap), by dynamic programming over states
+    (end of the last segment, last segment); exact for the memory model above (tested
+    against brute force).
+
+    Args:
+        blocks: the chain's blocks in order.
+        cap: largest transient bytes allowed (one segment's recompute).
+        free: storages that cost nothing to keep (saved anyway outside the candidates).
+        max_segment: longest recompute segment (blocks); ``None``: the whole chain.
+        modes: the modes allowed.
+
+    Returns:
+        Options sorted by kept bytes (increasing), recompute time decreasing.
+    """
+    free = free or {}
+    n = len(blocks)
+    if n == 0:
+        return [Option(0, 0, 0.0, 0, [])]
+    longest = n if max_segment is None else max(1, min(n, max_segment))
+    segs: dict[tuple[int, int, str], tuple[dict, int, float, int]] = {}
+    for start in range(n):
+        for mode in modes:
+            ends = range(start + 1, min(n, start + longest) + 1) if mode == "recompute" else (
+                start + 1,)
+            for end in ends:
+                keys, trans, t, f = segment_keys(blocks, start, end, mode)
+                if cap is None or trans <= cap:
+                    segs[(start, end, mode)] = ({k: v for k, v in keys.items()
+                                                 if k not in free}, trans, t, f)
+    # labels[(seg)] = Pareto options of prefixes ending with segment seg
+    labels: dict[tuple[int, int, str], list[Option]] = {}
+    by_start: dict[int, list[tuple[int, int, str]]] = {}
+    for seg in segs:
+        by_start.setdefault(seg[0], []).append(seg)
+    for seg in by_start.get(0, []):
+        keys, trans, t, f = segs[seg]
+        labels[seg] = [Option(_bytes(keys), trans, t, f, [seg])]
+    for pos in range(1, n):
+        ending = [s for s in labels if s[1] == pos]
+        for nxt in by_start.get(pos, []):
+            keys, trans, t, f = segs[nxt]
+            cands = []
+            for prev in ending:
+                prev_keys = segs[prev][0]
+                add = sum(v for k, v in keys.items() if k not in prev_keys)
+                for opt in labels[prev]:
+                    cands.append(Option(opt.kept + add, max(opt.transient, trans),
+                                        opt.time + t, opt.flops + f, [*opt.segments, nxt]))
+            if cands:
+                labels[nxt] = _pareto(cands)
+    final = [o for s, opts in labels.items() if s[1] == n for o in opts]
+    return _pareto(final)
+
+
+@dataclass
+class UnitOptions:
+    """The options of one unit (by its path) for one transient cap."""
+
+    path: str
+    options: list[Option]
+
+
+def merge_units(units: Sequence[UnitOptions], limit: int, granularity: int = 1
+                ) -> list[tuple[int, float, int, dict[str, Option]]]:
+    """Exact Pareto merge of the units' options: ``(sum kept, sum time, sum FLOPs, choice)``
+    with ``sum kept <= limit``, kept rounded up to ``granularity`` bytes for pruning."""
+    front: list[tuple[int, float, int, dict[str, Option]]] = [(0, 0.0, 0, {})]
+    g = max(1, int(granularity))
+    for unit in units:
+        merged = []
+        for kept, time, flops, choice in front:
+            for opt in unit.options:
+                k = kept + opt.kept
+                if k <= limit:
+                    merged.append((k, time + opt.time, flops + opt.flops,
+                                   {**choice, unit.path: opt}))
+        merged.sort(key=lambda x: (-(-x[0] // g), x[1]))
+        front = []
+        for item in merged:
+            if not front or item[1] < front[-1][1] - 1e-15:
+                front.append(item)
+        if not front:
+            return []
+    return front
+
+
+def modelled_peak(base: int, kept: int, transient: int, release: int = 0) -> int:
+    """The modelled peak: the end of the forward (``base + kept``) or a recompute in the
+    backward (``base - release + kept + transient``), whichever is higher; ``release`` is
+    what is freed between them (the previous step's gradients, which Lightning's
+    ``zero_grad`` after the forward frees)."""
+    return max(base + kept, base - release + kept + transient)
+
+
+def best_plan(frontiers: dict[str, dict[int | None, list[Option]]], base: int, target: int,
+              granularity: int = 1, release: int = 0
+              ) -> tuple[float, int, dict[str, Option]] | None:
+    """The choice of one option per unit with the least recompute time whose
+    :func:`modelled_peak` is <= ``target``.
+
+    Args:
+        frontiers: unit path -> cap -> Pareto options under that cap (``None``: no cap);
+            every unit has the same caps.
+        base: modelled bytes outside the units at the end of the forward.
+        target: the modelled peak allowed (bytes).
+        release: bytes freed between the forward's end and the backward.
+
+    Returns:
+        ``(time, modelled peak, {path: option})`` or ``None`` if no choice fits.
+    """
+    caps = sorted({c for f in frontiers.values() for c in f if c is not None})
+    best: tuple[float, int, dict[str, Option]] | None = None
+    for cap in [*caps, None]:
+        units = [UnitOptions(path, by_cap[cap]) for path, by_cap in frontiers.items()]
+        limit = target - base
+        if cap is not None:
+            limit = min(limit, target - base + release - cap)
+        if limit < 0:
+            continue
+        front = merge_units(units, limit, granularity)
+        for kept, time, _flops, choice in front:
+            transient = max((o.transient for o in choice.values()), default=0)
+            if cap is not None and transient > cap:
+                continue
+            peak = modelled_peak(base, kept, transient, release)
+            if peak > target:
+                continue
+            if best is None or time < best[0] - 1e-15 or (
+                    abs(time - best[0]) <= 1e-15 and peak < best[1]):
+                best = (time, peak, choice)
+    return best
+
+
+def cap_values(transients: Iterable[int], count: int = 16) -> list[int]:
+    """Up to ``count`` caps spread over the distinct transient sizes (always the smallest
+    and largest)."""
+    values = sorted(set(int(v) for v in transients))
+    if len(values) <= count:
+        return values
+    step = (len(values) - 1) / (count - 1)
+    return sorted({values[round(i * step)] for i in range(count)})
+
+
+def describe(option: Option) -> str:
+    """``keep 0, recompute 1-3, selective 4`` for logs."""
+    parts = []
+    for start, end, mode in option.segments:
+        parts.append(f"{mode} {start}" if end - start == 1 else f"{mode} {start}-{end - 1}")
+    return ", ".join(parts)
+
+
+def to_block(cost: Any, objective: str = "time") -> Block:
+    """A :class:`Block` from a :class:`~remat.planner.profile.BlockCost`; with
+    ``objective="flops"`` its ``time`` fields hold FLOPs (the search minimises those)."""
+    if objective == "flops":
+        return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs,
+                     float(cost.flops), cost.flops, float(cost.selective_flops),
+                     cost.selective_flops)
+    return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs, cost.time,
+                 cost.flops, cost.selective_time, cost.selective_flops)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import os
 import pickle
 from collections.abc import Callable
@@ -146,7 +147,8 @@ def _micro_peak(model: nn.Module, batch: dict[str, torch.Tensor],
 def _step_flops(model: nn.Module, batch: dict[str, torch.Tensor],
                 optimizer: torch.optim.Optimizer, precision: str, device: torch.device) -> int:
     """FLOPs of forward, loss and backward of one batch (recompute included), counted by
-    ``FlopCounterMode``; the gradients it makes are dropped again."""
+    ``FlopCounterMode``; the gradients it makes are dropped again. A pass of its own: under
+    ``FlopCounterMode`` MemTracker's peak of the same batch comes out different."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
@@ -276,6 +278,7 @@ def _in_child(fn: Callable[[], Any]) -> Any:
             os.close(read_fd)
             try:
                 torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+                logging.disable(logging.INFO)  # the model's build logs were the parent's
                 gc.disable()  # the crash above comes from a collection; the child _exits
                 payload = (True, fn())
             except BaseException as err:  # noqa: BLE001 - everything goes to the parent

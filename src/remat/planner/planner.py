@@ -388,21 +388,29 @@ class Planner:
                  f"  at that peak: {parts}",
                  f"  largest unit's internals (recomputed one at a time): "
                  f"{format_bytes(largest)}",
-                 f"  units: {plan.summary()}"]
+                 "  that plan: " + plan.summary().replace("\n", "; ")]
         if room <= 0:
             lines.append(f"  parameters, gradients and optimizer state alone take "
                          f"{format_bytes(static)}: use a smaller model or shard it (FSDP)")
         else:
             scale = room / dynamic
-            if self.batch_size > 1 and scale * self.batch_size >= 1:
+            if self.batch_size * scale >= 1:
                 lines.append(f"  would fit instead: data.batch_size="
                              f"{max(1, math.floor(self.batch_size * scale))} (activations scale "
                              "with the batch; about)")
+            else:
+                lines.append(f"  even data.batch_size=1 would need about "
+                             f"{format_bytes(int(static + dynamic / self.batch_size))}")
             if isinstance(self.size, int) and self.profile.kind == "image":
-                side = math.floor(self.size * math.sqrt(scale) / 32) * 32
+                side = math.floor(self.size * math.sqrt(min(scale, 1.0)) / 32) * 32
                 if side >= 32:
                     lines.append(f"  or data.image_size={side} (activations scale with the "
                                  "pixel count; about)")
+            elif isinstance(self.size, int):
+                tokens = math.floor(self.size * min(scale, 1.0) / 8) * 8
+                if tokens >= 8:
+                    lines.append(f"  or data.block_size={tokens} (activations scale with the "
+                                 "sequence length, at least; about)")
         if self.precision == "32-true":
             lines.append("  or precision=bf16-mixed (activations in 16 bits)")
         return "\n".join(lines)

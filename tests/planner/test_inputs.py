@@ -1,0 +1,79 @@
+"""Budgets and devices as users write them, and every bad one named clearly."""
+
+import pytest
+
+from remat.planner import DEVICES, get_device, parse_memory
+from remat.planner.budget import BudgetStrategy
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("12GiB", 12 * 2**30), ("12 GB", 12 * 10**9), ("800MiB", 800 * 2**20),
+    ("1.5 gib", int(1.5 * 2**30)), ("24000000000", 24 * 10**9), (24_000_000_000, 24 * 10**9),
+    ("2e9", 2 * 10**9), ("16G", 16 * 2**30), (0.5, 40 * 10**9), ("0.25", 20 * 10**9),
+    (1, 1),  # an int is bytes, never a fraction
+])
+def test_parse_memory_forms(value, expected):
+    assert parse_memory(value, device_memory=80 * 10**9) == expected
+
+
+@pytest.mark.parametrize("value,match", [
+    ("twelve", "cannot read a memory size"), ("12 parsecs", "cannot read"), ("", "cannot read"),
+    (0, "must be > 0"), ("0GiB", "must be > 0"), (-3, "must be > 0"), ("-1GiB", "cannot read"),
+    ("81GB", "more than the device's memory"), (None, "give a memory budget"),
+    (True, "give a memory budget"), (float("nan"), "must be > 0"),
+])
+def test_parse_memory_refuses(value, match):
+    with pytest.raises(ValueError, match=match) as err:
+        parse_memory(value, device_memory=80 * 10**9)
+    assert "strategy.memory" in str(err.value)
+
+
+def test_fraction_needs_a_known_device_memory():
+    with pytest.raises(ValueError, match="fraction of the device's memory"):
+        parse_memory(0.8, device_memory=None)
+
+
+def test_device_table_has_sources_and_the_named_gpus():
+    for name in ("h100", "h200", "a100_40gb", "a100_80gb", "l4", "rtx4090"):
+        spec = DEVICES[name]
+        assert spec.memory_bytes > 10**10 and spec.bf16_flops > spec.fp32_flops > 0
+        assert spec.bandwidth > 10**11 and "datasheet" in spec.source or "whitepaper" in spec.source
+    assert get_device("H100").name == "h100" and get_device("a100-80gb").name == "a100_80gb"
+    assert DEVICES["h200"].bandwidth > DEVICES["h100"].bandwidth
+
+
+def test_cpu_is_calibrated_here():
+    spec = get_device("cpu")
+    assert spec.fp32_flops > 1e8 and spec.bandwidth > 1e8 and spec.memory_bytes > 2**30
+    assert "measured" in spec.source
+
+
+def test_unknown_device_lists_known_ones_and_the_by_hand_form():
+    with pytest.raises(ValueError) as err:
+        get_device("tpu_v5", key="strategy.device")
+    text = str(err.value)
+    assert "strategy.device='tpu_v5'" in text and "h100" in text and "rtx4090" in text
+    assert "fp32_flops" in text and "bandwidth" in text
+
+
+def test_device_by_hand():
+    spec = get_device({"name": "mygpu", "memory_bytes": 48e9, "fp32_flops": 40e12,
+                       "bf16_flops": 300e12, "bandwidth": 1.5e12})
+    assert spec.memory_bytes == 48 * 10**9 and spec.flops_for("bf16-mixed") == 300e12
+    with pytest.raises(ValueError, match="missing bandwidth"):
+        get_device({"name": "x", "memory_bytes": 1, "fp32_flops": 1, "bf16_flops": 1})
+
+
+def test_budget_strategy_checks_its_keys_at_construction():
+    assert BudgetStrategy("12GiB", device="h100").budget_bytes == 12 * 2**30
+    assert BudgetStrategy(0.5, device="a100_40gb").budget_bytes == 20 * 10**9
+    with pytest.raises(ValueError, match="more than the device's memory"):
+        BudgetStrategy("100GiB", device="l4")
+    with pytest.raises(ValueError, match="unknown device"):
+        BudgetStrategy("1GiB", device="v100x")
+    with pytest.raises(ValueError, match="strategy.margin"):
+        BudgetStrategy("1GiB", device="h100", margin=1.5)
+    with pytest.raises(ValueError, match="strategy.objective"):
+        BudgetStrategy("1GiB", device="h100", objective="speed")
+    with pytest.raises(RuntimeError, match="make_plan"):
+        BudgetStrategy("1GiB", device="h100").apply(None, [])

@@ -1,0 +1,163 @@
+"""Plans fit their budgets at the trace level, as measured, and compute the same function."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import open_dict
+
+from remat.estimate import build_from_config
+from remat.measure.parity import compare_gradients, gradients_of
+from remat.measure.trace import trace_step
+from remat.planner import InfeasibleBudget, Plan, Planner, PlanStrategy
+from remat.planner.profile import find_candidates
+from remat.strategies import NoCheckpoint, StageError
+from tests.helpers import compose_config
+
+# tiny GPT with dropout: blocks chain, plus the embeddings and head around it
+GPT = ["model=gpt_tiny", "device=cpu", "data.batch_size=2", "+data.block_size=64"]
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    cfg = compose_config("estimate", tmp_path_factory.mktemp("plan"), GPT)
+    build, _, batch, size = build_from_config(cfg)
+    planner = Planner(build.with_strategy, batch, size, "32-true", device="cpu",
+                      max_traces=3, default_stages=["blocks"])
+    return planner, build.with_strategy
+
+
+def _real_peak(build, strategy, planner):
+    _, peak = trace_step(lambda: build(strategy), planner.batch_size, planner.size,
+                         torch.device("cpu"), "32-true", fake=False)
+    return peak.peak_bytes
+
+
+def test_plans_fit_their_budgets_as_traced_and_as_measured(gpt):
+    planner, build = gpt
+    plan_floor, floor = planner.floor()
+    none = planner.none.peak_bytes
+    assert floor.peak_bytes < 0.8 * none  # checkpointing the chain saves memory here
+    seen = set()
+    for frac in (0.25, 0.6, 0.95):
+        allowed = int(floor.peak_bytes + frac * (none - floor.peak_bytes))
+        budget = int(allowed / (1 - planner.margin)) + 1
+        plan = planner.plan(budget).plan
+        assert plan.predicted_peak_bytes <= budget - plan.margin_bytes
+        assert plan.margin_bytes == int(budget * planner.margin)
+        measured = _real_peak(build, PlanStrategy(plan), planner)
+        # the fake trace is the real step's MemTracker peak
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * measured
+        assert plan.recompute_flops >= 0 and plan.predicted_overhead >= 1.0
+        seen.add(plan.summary())
+    assert len(seen) >= 2  # different budgets give different plans
+    # a larger budget never costs more recompute
+    flops = [planner.plan(int((floor.peak_bytes + f * (none - floor.peak_bytes))
+                              / (1 - planner.margin)) + 1).plan.recompute_flops
+             for f in (0.25, 0.95)]
+    assert flops[0] >= flops[1]
+
+
+def test_plan_beats_or_equals_fixed_strategies_that_fit(gpt):
+    planner, _ = gpt
+    for _, ref in planner.references(["blocks"]):
+        traced = planner.trace(PlanStrategy(ref))
+        budget = int(traced.peak_bytes / (1 - planner.margin)) + 1
+        plan = planner.plan(budget).plan
+        assert plan.predicted_peak_bytes <= traced.peak_bytes
+        assert planner.modelled_cost(plan) <= planner.modelled_cost(ref) + 1e-12
+
+
+def test_plan_computes_the_same_function(gpt):
+    planner, build = gpt
+    plan_floor, _ = planner.floor()
+    mixed = planner.plan(int(0.97 * planner.none.peak_bytes / (1 - planner.margin))).plan
+    ref_model = build(NoCheckpoint())
+    for plan in (plan_floor, mixed):
+        model = build(PlanStrategy(plan))
+        model.load_state_dict(ref_model.state_dict())
+        results = []
+        for m in (ref_model, model):
+            m.train()
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(5)  # the same dropout masks
+            m.training_loss(m.example_batch(2, 64)).backward()
+            results.append(gradients_of(m))
+        parity = compare_gradients(results[0], results[1])
+        assert parity.match, parity
+    assert any(u.changed for u in mixed.units)
+
+
+def test_plan_file_round_trip_and_replay_checks(gpt, tmp_path):
+    planner, build = gpt
+    plan, _ = planner.floor()
+    path = plan.save(tmp_path / "plan.json")
+    again = Plan.load(path)
+    assert again.to_dict() == plan.to_dict()
+    assert PlanStrategy(path=str(path)).plan.units == plan.units
+    data = json.loads(path.read_text())
+    assert data["units"][0]["segments"][0].keys() == {"start", "end", "mode"}
+    # a plan of another network is refused, naming the file
+    other = dict(data, fingerprint="0" * 16)
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="made for another network"):
+        build(PlanStrategy(path=str(tmp_path / "other.json")))
+    for bad, match in (({"version": 1}, "not a remat plan"),
+                       (dict(data, version=99), "plan version 99"),
+                       (dict(data, units=[{"path": "blocks"}]), "malformed unit")):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            Plan.load(tmp_path / "bad.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        Plan.load(tmp_path / "broken.json")
+    with pytest.raises(FileNotFoundError, match="python -m remat.plan"):
+        Plan.load(tmp_path / "missing.json")
+    # segments that do not fit the chain
+    broken = dict(data, units=[{"path": "blocks", "kind": "chain",
+                                "segments": [{"start": 0, "end": 2, "mode": "recompute"}]}])
+    with pytest.raises(ValueError, match="do not partition"):  # StageError, via Hydra
+        build(PlanStrategy(broken))
+
+
+def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
+    planner, _ = gpt
+    _, floor = planner.floor()
+    with pytest.raises(InfeasibleBudget) as err:
+        planner.plan(int(floor.peak_bytes * 0.97))
+    text = str(err.value)
+    assert "no plan fits" in text and "smallest peak" in text
+    assert "parameters" in text and "optimizer_state" in text
+    assert "largest unit" in text and "bf16-mixed" in text
+    assert "data.batch_size=" in text and "data.block_size=" in text
+
+
+def test_candidates_cover_the_whole_network_and_bad_units_are_named():
+    import segmentation_models_pytorch as smp
+
+    net = smp.Unet("resnet18", encoder_weights=None, decoder_channels=[16, 8, 8, 8, 8])
+    paths = [u.path for u in find_candidates(net)]
+    assert paths == ["encoder.layer1", "encoder.layer2", "encoder.layer3", "encoder.layer4",
+                     "decoder.blocks", "segmentation_head"]
+    assert [u.kind for u in find_candidates(net, ["decoder.blocks.4"])] == ["module"]
+    with pytest.raises(StageError, match="matches no module"):
+        find_candidates(net, ["decoder.blockz"])
+    with pytest.raises(ValueError, match="no unit the planner can wrap"):
+        find_candidates(torch.nn.Linear(2, 2))
+
+
+def test_budget_above_the_device_or_unparseable_is_named(gpt):
+    planner, _ = gpt
+    with pytest.raises(ValueError, match="strategy.memory"):
+        planner.plan("lots")
+    with pytest.raises(ValueError, match="more than the device's memory"):
+        planner.plan(planner.spec.memory_bytes * 2)
+
+
+def test_estimate_config_keeps_working_with_a_builder(tmp_path):
+    cfg = compose_config("estimate", tmp_path, GPT)
+    with open_dict(cfg):
+        cfg.model.stages = ["blocks"]
+    build, key, batch, size = build_from_config(cfg)
+    assert key == "data.block_size" and (batch, size) == (2, 64)
+    assert build.with_strategy(NoCheckpoint(), ["blocks.0"]).strategy_report.stages == ["blocks.0"]

@@ -1,0 +1,136 @@
+"""The planner's search is exact for its memory model: DP and merge against brute force."""
+
+import itertools
+import random
+
+import pytest
+
+from remat.planner.search import (
+    Block,
+    Option,
+    UnitOptions,
+    best_plan,
+    chain_frontier,
+    evaluate_chain,
+    merge_units,
+    modelled_peak,
+)
+
+
+def random_chain(rng: random.Random, n: int) -> list[Block]:
+    """A chain whose block i reads block i-1's output (storage 100+i-1), saves it and some
+    internals, sometimes saves its own output (as a ReLU does), and sometimes reads a
+    shared input (storage 0, a skip) that an outside op saves."""
+    blocks = []
+    for i in range(n):
+        inp = {100 + i - 1: rng.randint(1, 50)} if i else {99: rng.randint(1, 50)}
+        if rng.random() < 0.3:
+            inp[0] = 40
+        saved = dict(inp)
+        saved.update({1000 + 10 * i + j: rng.randint(1, 80) for j in range(rng.randint(0, 3))})
+        out = {100 + i: rng.randint(1, 50)}
+        if rng.random() < 0.5:
+            saved.update(out)
+        sel = {k: v for k, v in saved.items() if k >= 1000 and rng.random() < 0.5}
+        t = rng.uniform(0.1, 5)
+        blocks.append(Block(saved, sel, inp, out, t, int(t * 100), t * rng.uniform(0, 0.5),
+                            int(t * 10)))
+    return blocks
+
+
+def all_plans(n: int):
+    """Every partition of range(n) into segments, each with every mode it allows."""
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds, start = [], 0
+        for i, cut in enumerate(cuts, start=1):
+            if cut:
+                bounds.append((start, i))
+                start = i
+        bounds.append((start, n))
+        choices = [["recompute"] + (["keep", "selective"] if e - s == 1 else [])
+                   for s, e in bounds]
+        for modes in itertools.product(*choices):
+            yield [(s, e, m) for (s, e), m in zip(bounds, modes, strict=True)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_chain_dp_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    blocks = random_chain(rng, n)
+    free = {0: 40}
+    brute = [evaluate_chain(blocks, plan, free) for plan in all_plans(n)]
+    caps = sorted({o.transient for o in brute})
+    for cap in [*caps, None]:
+        front = chain_frontier(blocks, cap, free)
+        allowed = [o for o in brute if cap is None or o.transient <= cap]
+        # every DP option is a real plan with the costs the model gives it
+        for opt in front:
+            again = evaluate_chain(blocks, opt.segments, free)
+            assert (again.kept, again.transient, again.flops) == (
+                opt.kept, opt.transient, opt.flops)
+            assert again.time == pytest.approx(opt.time)
+            assert cap is None or opt.transient <= cap
+        # nothing brute force finds is better than the frontier at its memory
+        for o in allowed:
+            best = min((f.time for f in front if f.kept <= o.kept), default=float("inf"))
+            assert best <= o.time + 1e-9, (o, front)
+    # and for budgets: the least time whose modelled peak fits equals brute force
+    for budget in sorted({o.kept + o.transient for o in brute}):
+        expected = min(o.time for o in brute if o.kept + o.transient <= budget)
+        found = best_plan({"c": {c: chain_frontier(blocks, c, free) for c in [*caps, None]}},
+                          base=0, target=budget)
+        assert found is not None
+        assert found[0] == pytest.approx(expected)
+        assert found[1] <= budget
+
+
+def test_frontier_is_pareto_and_sorted():
+    blocks = random_chain(random.Random(7), 6)
+    front = chain_frontier(blocks)
+    kept = [o.kept for o in front]
+    times = [o.time for o in front]
+    assert kept == sorted(kept) and times == sorted(times, reverse=True)
+    assert len(set(kept)) == len(kept)
+    # keeping everything is the zero-time end, and it is the most memory
+    assert front[-1].time == 0 and all(m == "keep" for *_, m in front[-1].segments)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_and_best_plan_match_brute_force_across_units(seed):
+    rng = random.Random(100 + seed)
+    units = {}
+    for u in range(3):
+        units[f"u{u}"] = [Option(rng.randint(0, 100), rng.randint(0, 60), rng.uniform(0, 5),
+                                 0, [(0, 1, f"m{i}")]) for i in range(rng.randint(1, 4))]
+    base, release = rng.randint(0, 50), rng.randint(0, 30)
+    combos = list(itertools.product(*units.values()))
+    for target in range(base, base + 300, 17):
+        fits = [c for c in combos if modelled_peak(
+            base, sum(o.kept for o in c), max(o.transient for o in c), release) <= target]
+        caps = sorted({o.transient for opts in units.values() for o in opts})
+        # a unit with no option under a cap cannot be chosen under it (an empty list)
+        frontiers = {p: {c: [o for o in opts if o.transient <= c] for c in caps}
+                     | {None: opts} for p, opts in units.items()}
+        found = best_plan(frontiers, base, target, release=release)
+        if not fits:
+            assert found is None
+            continue
+        expected = min(sum(o.time for o in c) for c in fits)
+        assert found is not None and found[0] == pytest.approx(expected)
+        assert found[1] <= target
+    merged = merge_units([UnitOptions(p, o) for p, o in units.items()], limit=10**9)
+    assert min(m[1] for m in merged) == pytest.approx(
+        min(sum(o.time for o in c) for c in combos))
+
+
+def test_evaluate_chain_refuses_bad_segments():
+    blocks = random_chain(random.Random(1), 3)
+    with pytest.raises(ValueError, match="do not partition"):
+        evaluate_chain(blocks, [(0, 1, "keep"), (2, 3, "keep")])
+    with pytest.raises(ValueError, match="do not cover"):
+        evaluate_chain(blocks, [(0, 1, "keep")])
+    with pytest.raises(ValueError, match="per block"):
+        evaluate_chain(blocks, [(0, 2, "keep"), (2, 3, "keep")])
+    with pytest.raises(ValueError, match="unknown mode"):
+        evaluate_chain(blocks, [(0, 3, "offload")])

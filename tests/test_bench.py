@@ -47,6 +47,11 @@ def test_transformer_stack_full_and_sqrtn_save_memory_with_matching_gradients():
     assert by["full"].peak_ratio < by["sqrtn"].peak_ratio < 1.0
     assert by["every_k"].peak_ratio < 1.0
     assert len(by["full"].step_ms) == 1 and by["full"].median_ms > 0
+    # recompute FLOPs: full and sqrtn each run the blocks' forward once more, every_k too
+    flops = {name: r.flops for name, r in by.items()}
+    assert by["none"].flops_ratio == 1.0 and flops["none"] > 0
+    assert flops["full"] == flops["sqrtn"] == flops["every_k"] > flops["none"]
+    assert 1.1 < by["full"].flops_ratio < 1.5
 
 
 def test_unet_encoder_strategies_match_gradients():
@@ -88,6 +93,21 @@ def test_bench_entry_point_writes_csv_and_json(tmp_path):
     assert (out / "bench.csv").read_text().startswith("size,strategy,peak_bytes")
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "x none" in proc.stdout and "every_k(k=2)" in proc.stdout
+    assert "recompute FLOPs x none" in proc.stdout
+    assert by[(64, "full")]["flops_ratio"] > 1.0 == by[(64, "none")]["flops_ratio"]
+
+
+@pytest.mark.slow
+def test_bench_budget_row_is_planned_per_size(tmp_path, capsys):
+    cfg = compose_config("bench", tmp_path, [
+        "model=gpt_tiny", "data.batch_size=2", "data.block_size=64", "reference_points=false",
+        "strategies=[none,{name: budget, memory: 6MiB, device: cpu, max_traces: 2}]",
+        "warmup=0", "steps=1"])
+    record = bench(cfg)
+    row = {r["strategy"]: r for r in record["rows"]}["budget(memory=6MiB, device=cpu, "
+                                                       "max_traces=2)"]
+    assert row["grads_match"] and row["flops_ratio"] >= 1.0
+    assert any("budget(memory=6MiB" in n and "blocks:" in n for n in record["notes"])
 
 
 def test_timm_reference_row_where_a_timm_model_holds_the_stages(tmp_path):

@@ -51,6 +51,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.flop_counter import FlopCounterMode
 
 from remat import run_shape
 from remat.config import config_dir
@@ -90,7 +91,10 @@ class BenchRow:
     compiled for compiled rows); gradients are compared with eager ``none``.
 
     ``compiled`` is the ``torch.compile`` backend of a compiled row (else ``None``);
-    ``peak_method`` says what measured the peak (:data:`PEAK_METHODS` values).
+    ``peak_method`` says what measured the peak (:data:`PEAK_METHODS` values). ``flops`` are
+    the FLOPs of one step (forward, backward and recompute, counted by
+    ``torch.utils.flop_counter.FlopCounterMode``; eager rows only) and ``flops_ratio`` them
+    over ``none``'s: the recompute cost, exact and device-independent.
     """
 
     strategy: str
@@ -105,6 +109,8 @@ class BenchRow:
     size: int | None = None
     compiled: str | None = None
     peak_method: str = ""
+    flops: int | None = None
+    flops_ratio: float = float("nan")
 
 
 def _step(module: L.LightningModule, batch: dict, device: torch.device, precision: str) -> None:
@@ -263,11 +269,17 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
         models[name] = model
 
     grads: dict[str, dict[str, torch.Tensor]] = {}
-    for name in list(models):  # gradient parity: same batch, same RNG
+    flops: dict[str, int] = {}
+    for name in list(models):  # gradient parity (and FLOPs): same batch, same RNG
         model = slot.load(models[name])
         torch.manual_seed(seed)
         try:
-            _step(model, batch, device, precision)
+            if compile_backend is None:
+                with FlopCounterMode(display=False) as counter:
+                    _step(model, batch, device, precision)
+                flops[name] = int(counter.get_total_flops())
+            else:
+                _step(model, batch, device, precision)
         except Exception as err:
             if compile_backend is None or name == "none":
                 raise
@@ -307,11 +319,14 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
         rows.append(BenchRow(label, int(peaks[name].peak_bytes), float(timers[name].median_ms),
                              parity.match, parity.max_abs_diff, step_ms=timers[name].times_ms,
                              reserved_bytes=peaks[name].reserved_bytes,
-                             compiled=compile_backend, peak_method=methods[name]))
+                             compiled=compile_backend, peak_method=methods[name],
+                             flops=flops.get(name)))
     ref_row = rows[list(models).index("none")]
     for row in rows:
         row.peak_ratio = row.peak_bytes / ref_row.peak_bytes
         row.time_ratio = row.median_ms / ref_row.median_ms
+        if row.flops is not None and ref_row.flops:
+            row.flops_ratio = row.flops / ref_row.flops
     return rows, grads
 
 
@@ -502,16 +517,18 @@ def plot(rows: Sequence[BenchRow], path: Path, title: str) -> None:
 
 
 def format_table(rows: Sequence[BenchRow]) -> str:
-    """Plain-text table: size, strategy, peak memory, x none, median step ms, x none, grads
+    """Plain-text table: size, strategy, peak memory, x none, median step ms, x none,
+    recompute FLOPs x none (step FLOPs over ``none``'s; ``-`` for compiled rows), grads
     match (yes/NO), peak by (what measured the peak). Compiled rows' ratios are to ``none``
     compiled with the same backend."""
     w = max([len("strategy"), *(len(r.strategy) for r in rows)]) + 2
     lines = [f"{'size':>6}  {'strategy':<{w}}{'peak memory':>14}{'x none':>9}{'step time':>13}"
-             f"{'x none':>9}{'grads match':>13}  peak by"]
+             f"{'x none':>9}{'recompute FLOPs x none':>24}{'grads match':>13}  peak by"]
     for r in rows:
+        flops = f"{r.flops_ratio:>24.3f}" if r.flops_ratio == r.flops_ratio else f"{'-':>24}"
         lines.append(f"{r.size if r.size is not None else '':>6}  {r.strategy:<{w}}"
                      f"{format_bytes(r.peak_bytes):>14}{r.peak_ratio:>9.2f}"
-                     f"{r.median_ms:>10.1f} ms{r.time_ratio:>9.2f}"
+                     f"{r.median_ms:>10.1f} ms{r.time_ratio:>9.2f}{flops}"
                      f"{'yes' if r.grads_match else 'NO':>13}  {r.peak_method}")
     return "\n".join(lines)
 
@@ -576,13 +593,23 @@ def reference_rows(base: L.LightningModule, stages: Sequence[str]
 
 def _build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
     """Row label -> strategy for ``strategies``-style entries: a name, or ``{name: ...,
-    arg: value}`` (label ``name(arg=value)``)."""
+    arg: value}`` (label ``name(arg=value)``); ``{name: budget, memory: ...}`` is a memory
+    budget, planned for each size when it is measured."""
     strategies: dict[str, CheckpointStrategy] = {}
     for spec in specs:
         name, overrides = (spec, {}) if isinstance(spec, str) else (
             spec["name"], {k: v for k, v in spec.items() if k != "name"})
         args = ", ".join(f"{k}={v}" for k, v in overrides.items())
         label = f"{name}({args})" if overrides else name
+        if name == "budget":  # planned per size in bench() (remat.planner)
+            from remat.planner import BudgetStrategy
+
+            try:
+                strategies[label] = BudgetStrategy(**overrides)
+            except TypeError as err:
+                raise ValueError(f"bench: strategy budget does not take {sorted(overrides)}: "
+                                 f"{err}") from err
+            continue
         strategies[label] = build_strategy(name, **overrides)
     return strategies
 
@@ -631,6 +658,13 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                 model_cfg.block_size = size  # the model follows the data, as in training
         base = instantiate(model_cfg)  # no strategy: wraps nothing
         runs = dict(strategies)
+        for label, strategy in strategies.items():
+            if getattr(strategy, "needs_plan", False):  # a budget: plan it for this size
+                runs[label] = strategy.planned(
+                    lambda s, mc=model_cfg: instantiate(mc, strategy=s), batch_size, size,
+                    precision, default_stages=list(cfg.model.stages))
+                notes.append(f"size {size}: {label}: "
+                             + runs[label].plan.summary().replace("\n", "; "))
         if cfg.get("reference_points", True):
             references, skipped = reference_rows(base, list(cfg.model.stages))
             runs.update(references)
@@ -678,12 +712,13 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         writer = csv.writer(f)
         writer.writerow(["size", "strategy", "peak_bytes", "peak_ratio", "median_ms",
                          "time_ratio", "grads_match", "max_grad_diff", "reserved_bytes",
-                         "compiled", "peak_method"])
+                         "compiled", "peak_method", "flops", "flops_ratio"])
         for r in rows:
             writer.writerow([r.size, r.strategy, r.peak_bytes, f"{r.peak_ratio:.4f}",
                              f"{r.median_ms:.2f}", f"{r.time_ratio:.4f}", r.grads_match,
                              f"{r.max_grad_diff:.3g}", r.reserved_bytes or "",
-                             r.compiled or "", r.peak_method])
+                             r.compiled or "", r.peak_method, r.flops or "",
+                             f"{r.flops_ratio:.4f}" if r.flops_ratio == r.flops_ratio else ""])
     print(f"{model_name} batch {batch_size}, {size_key} {sizes}, {cfg.precision}, "
           f"{record['device']}, torch {torch.__version__}")
     print(format_table(rows))

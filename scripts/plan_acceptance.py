@@ -1,0 +1,164 @@
+"""Check the planner's plans on this CPU: for budgets evenly spaced from the smallest
+feasible peak to ``none``'s peak, each plan's *allocator* peak measured on a real training
+step (``torch.profiler`` memory events, which see temporaries inside backward kernels that
+MemTracker misses) against its budget and its prediction, its recompute FLOPs against every
+fixed strategy that fits the same budget, and its gradients against ``none``.
+
+    python scripts/plan_acceptance.py model=unet_resnet34 data.image_size=512 data.batch_size=2
+    python scripts/plan_acceptance.py model=gpt_small +data.block_size=1024 data.batch_size=2
+
+Any ``estimate``-config override is accepted; ``--budgets N`` (default 8), ``--objective``
+(``flops`` default: the comparison is in FLOPs), ``--out FILE`` (markdown table appended).
+Fixed strategies (none, full, sqrtn, every_k k=2/4, selective matmul, each on the model's
+stages and on the whole network) are traced (FakeTensorMode + MemTracker: their exact
+tensor-level peak and FLOPs). Prints one markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from remat.bench import ProfilerPeakMemory
+from remat.estimate import build_from_config
+from remat.measure import format_bytes
+from remat.measure.parity import compare_gradients, gradients_of
+from remat.measure.step import autocast
+from remat.measure.trace import _batch, _optimizer
+from remat.planner import InfeasibleBudget, Planner, PlanStrategy
+from remat.strategies import NoCheckpoint, build_strategy
+
+FIXED = (("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}), ("every_k", {"k": 4}),
+         ("selective", {"policy": "matmul"}))
+
+
+def allocator_peak(build, strategy, batch_size, size, precision) -> int:
+    """Allocator peak (bytes) of two real optimizer steps in Lightning's order, from the
+    start (parameters and buffers held, everything else allocated inside)."""
+    torch.manual_seed(0)
+    model = build(strategy).train()
+    optimizer = _optimizer(model)
+    device = torch.device("cpu")
+    with ProfilerPeakMemory(device, modules=[model]) as meter:
+        for step in range(2):
+            torch.manual_seed(10 + step)
+            batch = _batch(model, batch_size, size, device)
+            with autocast(device, precision):
+                loss = model.training_loss(batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            del loss, batch
+    del model, optimizer
+    gc.collect()
+    return int(meter.peak_bytes)
+
+
+def gradients(build, strategy, batch_size, size, precision) -> dict[str, torch.Tensor]:
+    """Gradients of one real forward/backward from the same initial weights and batch."""
+    torch.manual_seed(0)
+    model = build(strategy).train()
+    torch.manual_seed(99)
+    batch = _batch(model, batch_size, size, torch.device("cpu"))
+    torch.manual_seed(7)  # same dropout masks
+    with autocast("cpu", precision):
+        loss = model.training_loss(batch)
+    loss.backward()
+    grads = gradients_of(model)
+    del model, loss, batch
+    gc.collect()
+    return grads
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--budgets", type=int, default=8)
+    parser.add_argument("--objective", default="flops")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    from hydra import compose, initialize_config_dir
+
+    from remat.config import config_dir
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("estimate", overrides=["device=cpu", *args.overrides])
+    build_cfg, _, batch_size, size = build_from_config(cfg)
+    build = build_cfg.with_strategy
+    precision = str(cfg.precision)
+    stages = list(cfg.model.get("stages") or [])
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    start = time.perf_counter()
+    planner = Planner(build, batch_size, size, precision, device="cpu",
+                      objective=args.objective, default_stages=stages)
+    setup = time.perf_counter() - start
+    whole = [u.path for u in planner.profile.units]
+    none = planner.none
+    fixed = []
+    for label, paths in (("stages", stages), ("whole", whole)):
+        for name, kwargs in FIXED:
+            traced = planner.trace(build_strategy(name, **kwargs),
+                                   lambda s, st=paths: build(s, st), key=label)
+            tag = f"{name}{'' if not kwargs or name == 'selective' else kwargs['k']}"
+            fixed.append((f"{tag}/{label}", traced.peak_bytes,
+                          traced.step_flops - none.step_flops))
+    none_alloc = allocator_peak(build, NoCheckpoint(), batch_size, size, precision)
+    ref_grads = gradients(build, NoCheckpoint(), batch_size, size, precision)
+    _, floor = planner.floor()
+    low = int(floor.peak_bytes / (1 - planner.margin)) + 1
+    high = int(none.peak_bytes / (1 - planner.margin)) + 1
+    title = (f"{planner.profile.model} {cfg.model.get('encoder_name', '')} batch {batch_size}, "
+             f"size {size}, {precision}, torch {torch.__version__}, CPU")
+    lines = [f"### {title}", "",
+             f"none: traced {format_bytes(none.peak_bytes)}, allocator "
+             f"{format_bytes(none_alloc)}; floor {format_bytes(floor.peak_bytes)} "
+             f"({floor.peak_bytes / none.peak_bytes:.2f}x none); planner setup {setup:.0f} s",
+             "", "| budget | plan traced | plan allocator | alloc / traced | fits | plan FLOPs "
+             "x none | best fixed that fits (FLOPs x none) | lower | grads = none | plan s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    strictly = 0
+    for i in range(args.budgets):
+        budget = low + (high - low) * i // max(1, args.budgets - 1)
+        t0 = time.perf_counter()
+        try:
+            plan = planner.plan(budget).plan
+        except InfeasibleBudget as err:
+            lines.append(f"| {format_bytes(budget)} | infeasible: {str(err).splitlines()[0]} |")
+            continue
+        seconds = time.perf_counter() - t0
+        strategy = PlanStrategy(plan)
+        alloc = allocator_peak(build, strategy, batch_size, size, precision)
+        parity = compare_gradients(ref_grads, gradients(build, strategy, batch_size, size,
+                                                        precision))
+        fits = [(lab, fl) for lab, pk, fl in fixed if pk <= budget] + (
+            [("none", 0)] if none.peak_bytes <= budget else [])
+        best = min(fits, key=lambda x: x[1]) if fits else None
+        lower = best is not None and plan.recompute_flops < best[1]
+        not_above = best is None or plan.recompute_flops <= best[1]
+        strictly += lower
+        ratio = 1 + plan.recompute_flops / none.step_flops
+        best_text = (f"{best[0]} {1 + best[1] / none.step_flops:.3f}" if best else "none fits")
+        lines.append(f"| {format_bytes(budget)} | {format_bytes(plan.predicted_peak_bytes)} | "
+                     f"{format_bytes(alloc)} | {alloc / plan.predicted_peak_bytes:.3f} | "
+                     f"{'yes' if alloc <= budget else 'NO'} | {ratio:.3f} | {best_text} | "
+                     f"{'yes' if lower else ('-' if best is None else 'no')}"
+                     f"{'' if not_above else ' ABOVE'} | {'yes' if parity.match else 'NO'} "
+                     f"({parity.max_abs_diff:.1e}) | {seconds:.0f} |")
+    lines += ["", f"strictly lower recompute FLOPs than every fitting fixed strategy at "
+              f"{strictly} of {args.budgets} budgets", "", "fixed strategies (traced): "
+              + ", ".join(f"{lab} {format_bytes(pk)} / {1 + fl / none.step_flops:.3f}"
+                          for lab, pk, fl in fixed), ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with args.out.open("a") as fh:
+            fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

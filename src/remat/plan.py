@@ -237,7 +237,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                       units=cfg.get("units"), margin=float(cfg.margin),
                       max_traces=int(cfg.get("max_traces", 6)),
                       objective=str(cfg.get("objective", "time")),
-                      default_stages=list(cfg.model.get("stages") or []))
+                      default_stages=list(cfg.model.get("stages") or []),
+                      calibrate=bool(cfg.get("calibrate", False)))
     spec = planner.spec
     head = (f"plan for {planner.profile.model}, batch {batch_size}, size {size}, {precision}"
             + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")

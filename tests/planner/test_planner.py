@@ -161,3 +161,50 @@ def test_estimate_config_keeps_working_with_a_builder(tmp_path):
     build, key, batch, size = build_from_config(cfg)
     assert key == "data.block_size" and (batch, size) == (2, 64)
     assert build.with_strategy(NoCheckpoint(), ["blocks.0"]).strategy_report.stages == ["blocks.0"]
+
+
+def test_plan_composes_with_torch_compile_and_keeps_dropout_masks():
+    """A mixed plan (recompute, selective, keep) on a stack with dropout, compiled whole
+    (``aot_eager``: AOTAutograd's partitioner, no code generation): one graph, the eager
+    ``none`` gradients."""
+    import torch._dynamo
+
+    from remat.planner import UnitPlan
+    from tests.strategies.common import assert_same_function, train_step
+    from tests.strategies.test_compile import Stack
+
+    torch.manual_seed(0)
+    eager = Stack(n=4, p=0.3)
+    ref = train_step(eager, torch.randn(8, 64, generator=torch.Generator().manual_seed(1)))
+    plan = Plan(units=[UnitPlan("blocks", "chain", [(0, 2, "recompute"), (2, 3, "selective"),
+                                                    (3, 4, "keep")])])
+    torch.manual_seed(0)
+    model = Stack(n=4, p=0.3)
+    report = PlanStrategy(plan).apply(model)
+    assert report.wrapped == ["blocks.0", "blocks.1", "blocks.2"]
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    model.compile(backend="aot_eager")
+    got = train_step(model, torch.randn(8, 64, generator=torch.Generator().manual_seed(1)))
+    assert_same_function(got, ref)
+    assert sum(counts["stats"].values()) >= 1 and not counts["graph_break"]
+
+
+def test_calibrate_times_units_on_the_device_present(tmp_path):
+    cfg = compose_config("estimate", tmp_path, GPT)
+    build, _, batch, size = build_from_config(cfg)
+    with pytest.raises(ValueError, match="calibrate=true times the units on the device present"):
+        Planner(build.with_strategy, batch, size, device="h100", calibrate=True)
+    from remat.planner.devices import get_device
+    from remat.planner.profile import calibrate_profile, profile_model
+
+    profile = profile_model(lambda: build.with_strategy(NoCheckpoint()), None,
+                            get_device("cpu"), batch, size, "32-true")
+    roofline = {p: c.time for p, c in profile.blocks.items()}
+    calibrate_profile(profile, lambda: build.with_strategy(NoCheckpoint()), batch, size,
+                      "32-true", torch.device("cpu"), rounds=1)
+    measured = {p: c.time for p, c in profile.blocks.items()}
+    assert measured.keys() == roofline.keys() and measured != roofline
+    assert all(t > 0 for t in measured.values()) and profile.step_time > max(measured.values())
+    assert all(c.selective_time <= c.time for c in profile.blocks.values())

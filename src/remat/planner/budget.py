@@ -34,6 +34,7 @@ class BudgetStrategy(CheckpointStrategy):
         units: candidate unit paths (globs); ``None``: the whole network.
         max_traces: traced plans per budget before the best one is taken.
         objective: ``time`` (modelled recompute time on ``device``) or ``flops``.
+        calibrate: time each unit on the device present instead of the roofline table.
 
     Raises:
         ValueError: a bad ``memory`` (unparseable, <= 0, above the device's memory) or an
@@ -46,7 +47,8 @@ class BudgetStrategy(CheckpointStrategy):
 
     def __init__(self, memory: Any = 0.8, device: Any = "auto", margin: float = 0.05,
                  units: Sequence[str] | None = None, max_traces: int = 6,
-                 objective: str = "time") -> None:
+                 objective: str = "time", calibrate: bool = False) -> None:
+        self.calibrate = bool(calibrate)
         if objective not in ("time", "flops"):
             raise ValueError(f"strategy.objective={objective!r}: use time (roofline on the "
                              "device) or flops (recompute FLOPs, device-independent)")
@@ -75,7 +77,7 @@ class BudgetStrategy(CheckpointStrategy):
         planned = make_plan(build, batch_size, size, self.budget_bytes, precision,
                             device=self.spec, units=self.units, margin=self.margin,
                             max_traces=self.max_traces, objective=self.objective,
-                            default_stages=default_stages,
+                            default_stages=default_stages, calibrate=self.calibrate,
                             accumulate_grad_batches=accumulate_grad_batches)
         plan = planned.plan
         log.info("plan for %s on %s (%.1f s): predicted peak %s (none %s), recompute FLOPs "

@@ -31,7 +31,7 @@ from remat.measure.trace import trace_step
 from remat.planner.devices import DeviceSpec, get_device
 from remat.planner.memory import parse_memory
 from remat.planner.plan import Plan, PlanStrategy, UnitPlan
-from remat.planner.profile import Profile, profile_model
+from remat.planner.profile import Profile, calibrate_profile, profile_model
 from remat.planner.search import (
     Option,
     best_plan,
@@ -123,13 +123,22 @@ class Planner:
         margin: fraction of the budget kept free for allocator temporaries.
         max_traces: traces per budget before giving the best one found.
         max_segment: longest recompute segment (blocks).
+        objective: ``time`` (modelled recompute time) or ``flops``.
+        default_stages: the model's own stages (the fixed strategies' reference plans).
+        calibrate: replace the roofline times by times measured on the device present
+            (:func:`~remat.planner.profile.calibrate_profile`; real tensors at full size).
+
+    Raises:
+        ValueError: bad ``margin`` or ``objective``; ``calibrate`` for a device other than
+            the one present.
     """
 
     def __init__(self, build: Builder, batch_size: int, size: Any, precision: str = "32-true",
                  accumulate_grad_batches: int = 1, device: str | dict | DeviceSpec = "auto",
                  units: Sequence[str] | None = None, margin: float = 0.05,
                  max_traces: int = 6, max_segment: int | None = None,
-                 objective: str = "time", default_stages: Sequence[str] = ()) -> None:
+                 objective: str = "time", default_stages: Sequence[str] = (),
+                 calibrate: bool = False) -> None:
         if objective not in ("time", "flops"):
             raise ValueError(f"strategy.objective={objective!r}: use time (roofline on the "
                              "device) or flops (recompute FLOPs, device-independent)")
@@ -149,6 +158,15 @@ class Planner:
         start = time.perf_counter()
         self.profile: Profile = profile_model(lambda: build(NoCheckpoint()), self.units_paths,
                                               self.spec, batch_size, size, precision)
+        if calibrate:
+            present = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            if (present.type == "cpu") != (self.spec.name == "cpu"):
+                here = "cpu" if present.type == "cpu" else "auto"
+                raise ValueError(f"strategy.calibrate=true times the units on the device "
+                                 f"present ({present.type}), not on {self.spec.name}: plan "
+                                 f"with strategy.device={here} or without calibrate")
+            calibrate_profile(self.profile, lambda: build(NoCheckpoint()), batch_size, size,
+                              precision, present)
         self.none = self.trace(NoCheckpoint())
         self._prepare()
         self.setup_seconds = time.perf_counter() - start

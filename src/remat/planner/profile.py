@@ -308,3 +308,69 @@ def _picklable(fn: Callable[[nn.Module], Profile]) -> Callable[[nn.Module], Prof
         profile.saved_elsewhere = remap(profile.saved_elsewhere)
         return profile
     return wrapped
+
+
+def calibrate_profile(profile: Profile, build: Callable[[], nn.Module], batch_size: int,
+                      size: Any, precision: str, device: torch.device,
+                      rounds: int = 3) -> Profile:
+    """Replace the roofline times of ``profile`` by times measured on ``device`` (real
+    tensors at the planned size: run it on the device planned for).
+
+    Each block's forward is timed by forward hooks (synchronising CUDA), the median of
+    ``rounds`` training forwards after one warm-up; the selective preset's time keeps its
+    roofline share of the block's time; the step time is the median forward + backward.
+    Returns ``profile`` (changed in place).
+    """
+    import statistics
+    import time as _time
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    torch.manual_seed(0)
+    model = build().to(device).train()
+    net = getattr(model, "net", model)
+    named = dict(net.named_modules())
+    times: dict[str, list[float]] = {b: [] for b in profile.blocks}
+    starts: dict[str, float] = {}
+    handles = []
+    for path in profile.blocks:
+        def pre(mod, args, path=path):
+            sync()
+            starts[path] = _time.perf_counter()
+
+        def post(mod, args, out, path=path):
+            sync()
+            times[path].append(_time.perf_counter() - starts[path])
+
+        handles += [named[path].register_forward_pre_hook(pre),
+                    named[path].register_forward_hook(post)]
+    batch = _batch(model, batch_size, size, device)
+    steps = []
+    try:
+        for i in range(rounds + 1):
+            model.zero_grad(set_to_none=True)
+            sync()
+            start = _time.perf_counter()
+            with autocast(device, precision):
+                loss = model.training_loss(batch)
+            loss.backward()
+            sync()
+            if i == 0:
+                for v in times.values():
+                    v.clear()
+            else:
+                steps.append(_time.perf_counter() - start)
+    finally:
+        for h in handles:
+            h.remove()
+    for path, cost in profile.blocks.items():
+        if not times[path]:
+            continue
+        measured = statistics.median(times[path])
+        share = cost.selective_time / cost.time if cost.time else 0.0
+        cost.time, cost.selective_time = measured, measured * share
+    profile.step_time = statistics.median(steps)
+    del model, batch, loss
+    return profile

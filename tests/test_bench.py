@@ -386,9 +386,27 @@ def test_bench_compiled_option_adds_rows_and_notes_rows_that_fail_to_compile(tmp
     assert [r["strategy"] for r in record["rows"]] == ["none", "none (compiled, aot_eager)"]
     assert record["compiled"] and record["compile_backend"] == "aot_eager"
     assert record["rows"][1]["grads_match"] and record["rows"][1]["peak_ratio"] == 1.0
-    assert (tmp_path / "bench.csv").read_text().splitlines()[2].endswith(
-        "aot_eager,torch.profiler")
+    assert "aot_eager,torch.profiler" in (tmp_path / "bench.csv").read_text().splitlines()[2]
     cfg = compose_config("bench", tmp_path, ["model=gpt_tiny", "compiled=true",
                                              "compile_strategies=[full]", "device=cpu"])
     with pytest.raises(ValueError, match="compile_strategies must include 'none'"):
+        bench(cfg)
+
+
+def test_bench_torch_compile_memory_budget_reference_row(tmp_path):
+    """Plain torch.compile of the whole net under the partitioner's memory budget: budget 0
+    recomputes what it can, so its peak is below none compiled; no dropout, so gradients
+    match."""
+    cfg = compose_config("bench", tmp_path, [
+        "model=gpt_tiny", "model.n_layer=2", "model.dropout=0.0", "data.batch_size=4",
+        "data.block_size=256", "strategies=[none]", "reference_points=false", "warmup=0",
+        "steps=1", "device=cpu", "compiled=true", "compile_backend=aot_eager",
+        "compile_strategies=[none,{name: torch_compile_budget, memory_budget: 0.0}]"])
+    record = bench(cfg)
+    by = {r["strategy"]: r for r in record["rows"]}
+    row = by["torch_compile_budget(memory_budget=0.0) (compiled, aot_eager)"]
+    assert row["grads_match"] and row["peak_ratio"] < 1.0
+    cfg = compose_config("bench", tmp_path, [
+        "model=gpt_tiny", "strategies=[none,{name: torch_compile_budget, memory_budget: 0.3}]"])
+    with pytest.raises(ValueError, match="list it in compile_strategies"):
         bench(cfg)

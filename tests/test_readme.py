@@ -25,7 +25,8 @@ from tests.helpers import run_python
 README = Path(__file__).resolve().parents[1] / "README.md"
 APPS = {"train.py": "train", "remat.train": "train", "remat-train": "train",
         "remat.bench": "bench", "remat-bench": "bench", "remat.estimate": "estimate",
-        "remat-estimate": "estimate", "remat.eval": "eval", "remat-eval": "eval"}
+        "remat-estimate": "estimate", "remat.eval": "eval", "remat-eval": "eval",
+        "remat.plan": "plan", "remat-plan": "plan"}
 NOT_COMPOSED = ("make ", "bash scripts/gpu_check.sh", "python -m remat.report",
                 "remat-report")
 

@@ -264,8 +264,10 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
     for name, strategy in strategies.items():
         model = copy.deepcopy(base).to(slot.home).train()
         strategy.apply(model.net, list(stages))
-        if compile_backend is not None:
-            model.net.compile(backend=compile_backend)  # in place: parameter names unchanged
+        if compile_backend is not None:  # in place: parameter names unchanged
+            model.net.compile(backend=strategy.backend_for(compile_backend)
+                              if isinstance(strategy, TorchCompileMemoryBudget)
+                              else compile_backend)
         models[name] = model
 
     grads: dict[str, dict[str, torch.Tensor]] = {}
@@ -374,6 +376,44 @@ def run_benchmark(base: L.LightningModule, stages: Sequence[str],
     rows, _ = _measure(base, stages, strategies, batch, device, precision, warmup, steps, seed,
                        slot, compile_backend, reference, notes)
     return rows
+
+
+class TorchCompileMemoryBudget(CheckpointStrategy):
+    """Reference row: plain ``torch.compile`` of the whole network with the partitioner's
+    activation memory budget (``torch._functorch.config.activation_memory_budget``: 1.0
+    saves what the default partitioner saves, 0.0 recomputes as much as it can). It wraps
+    nothing; the bench compiles the net and runs the row's steps under the budget. Only for
+    ``compile_strategies`` (eager, it is ``none``). Below 1.0 the partitioner may recompute
+    dropout in backward with other masks (pytorch/pytorch#190758), so its gradients can
+    differ from ``none``'s; the row's ``grads match`` column shows it.
+
+    Raises:
+        ValueError: a budget outside [0, 1].
+    """
+
+    name = "torch_compile_budget"
+
+    def __init__(self, memory_budget: float = 0.5) -> None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float) or not (
+                0.0 <= float(memory_budget) <= 1.0):
+            raise ValueError(f"bench: torch_compile_budget memory_budget must be a number in "
+                             f"[0, 1], got {memory_budget!r}")
+        self.activation_memory_budget = float(memory_budget)
+
+    def backend_for(self, backend: str) -> Callable:
+        """``backend`` (a ``torch.compile`` backend name) compiling under this budget. A
+        backend object of its own per row, so dynamo does not reuse another row's graphs
+        (its cache entries are checked against the backend they were compiled with)."""
+        inner = torch._dynamo.lookup_backend(backend)
+        budget = self.activation_memory_budget
+
+        def compile_under_budget(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            import torch._functorch.config as functorch_config
+
+            with functorch_config.patch(activation_memory_budget=budget):
+                return inner(gm, example_inputs)
+
+        return compile_under_budget
 
 
 class TorchCheckpointSequential(CheckpointStrategy):
@@ -601,6 +641,9 @@ def _build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
             spec["name"], {k: v for k, v in spec.items() if k != "name"})
         args = ", ".join(f"{k}={v}" for k, v in overrides.items())
         label = f"{name}({args})" if overrides else name
+        if name == TorchCompileMemoryBudget.name:
+            strategies[label] = TorchCompileMemoryBudget(**overrides)
+            continue
         if name == "budget":  # planned per size in bench() (remat.planner)
             from remat.planner import BudgetStrategy
 
@@ -633,6 +676,9 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     size_key, sizes = _sizes(cfg)
     device = run_shape.resolve_device(cfg.device)
     strategies = _build_strategies(cfg.strategies)
+    if any(isinstance(s, TorchCompileMemoryBudget) for s in strategies.values()):
+        raise ValueError("bench: torch_compile_budget is a compiled reference row: list it in "
+                         "compile_strategies (with compiled=true), not in strategies")
     if "none" not in strategies:
         raise ValueError("bench strategies must include 'none', the reference")
     if int(cfg.steps) < 1 or int(cfg.warmup) < 0:

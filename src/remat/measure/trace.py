@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import pickle
+import selectors
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -159,12 +160,13 @@ def _step_flops(model: nn.Module, batch: dict[str, torch.Tensor],
     return int(counter.get_total_flops())
 
 
-def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
-               device: torch.device, precision: str, fake: bool = True,
-               accumulate_grad_batches: int = 1, count_flops: bool = False
-               ) -> tuple[str, Any]:
-    """Build the model (``build()``, with strategy applied) and measure two optimizer steps;
-    the largest peak of their batches is returned.
+def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
+            device: torch.device, precision: str, fake: bool = True,
+            accumulate_grad_batches: int = 1, count_flops: bool = False
+            ) -> Callable[[], tuple[str, Any]]:
+    """The work of :func:`trace_step`, to run in a child: build the model (``build()``, with
+    strategy applied) and measure two optimizer steps; the largest peak of their batches is
+    returned.
 
     With ``accumulate_grad_batches=k`` each optimizer step is k batches in Lightning's order
     (:func:`~remat.measure.step.lightning_micro_steps`: the first zeroes the gradients, the
@@ -213,13 +215,38 @@ def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tupl
             p.modules, p.optimizers = [], []  # keep no fake tensor alive past the mode
         return model.strategy_report.strategy, peak
 
-    return run_built(build, run_seeded, device, fake)
+    return built_fn(build, run_seeded, device, fake)
+
+
+def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
+               device: torch.device, precision: str, fake: bool = True,
+               accumulate_grad_batches: int = 1, count_flops: bool = False
+               ) -> tuple[str, Any]:
+    """Build the model (``build()``, with strategy applied) and measure two optimizer steps
+    in a child process; see :func:`step_fn` (what is measured, and why two steps).
+    Returns ``(strategy name, PeakMemory)``."""
+    return _in_child(step_fn(build, batch_size, size, device, precision, fake,
+                             accumulate_grad_batches, count_flops))
+
+
+def trace_steps(jobs: list[dict[str, Any]], parallel: int | None = None) -> list[Any]:
+    """:func:`trace_step` for several jobs (its keyword arguments each), up to ``parallel``
+    children at a time (default: the CPUs this process may use). Results in job order; the
+    first job that failed raises."""
+    return in_children([step_fn(**job) for job in jobs], parallel)
 
 
 def run_built(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
               device: torch.device, fake: bool = True) -> Any:
-    """``fn(build())`` in a forked child (:func:`_in_child`), under ``FakeTensorMode`` with
-    ``fake=True`` and with the RNG seeded to 0; returns ``fn``'s (picklable) result.
+    """``fn(build())`` in a forked child (see :func:`built_fn`)."""
+    return _in_child(built_fn(build, fn, device, fake))
+
+
+def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
+             device: torch.device, fake: bool = True) -> Callable[[], Any]:
+    """The work ``fn(build())``, to run in a forked child (:func:`_in_child`), under
+    ``FakeTensorMode`` with ``fake=True`` and with the RNG seeded to 0; the child returns
+    ``fn``'s (picklable) result.
 
     A model whose construction FakeTensorMode refuses is built on ``meta`` and materialized
     as fake tensors, or, when ``meta`` fails too, built for real once and traced as a meta
@@ -253,53 +280,94 @@ def run_built(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
         with FakeTensorMode(), dev():
             return run(lambda: materialize(skeleton, device))
 
-    return _in_child(traced)
+    return traced
 
 
 def _in_child(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` in a forked child process and return its (pickled) result or re-raise its
-    exception here.
+    exception here (:func:`in_children` with one job)."""
+    return in_children([fn], 1)[0]
 
-    Why: in torch 2.14, a process that runs several fake-tensor training steps under
-    MemTracker aborts with glibc heap corruption ("corrupted double-linked list") inside a
-    garbage collection (seen with U-Nets after a few traces). Each trace therefore runs in
-    a child with the cyclic garbage collector off, which leaves by ``os._exit`` without
-    collecting; the caller's heap never holds a fake tensor. Where ``os.fork`` does not
-    exist (Windows), or CUDA is initialised (a forked child cannot use it), ``fn`` runs in
-    this process.
+
+def _child(fn: Callable[[], Any], read_fd: int, write_fd: int) -> None:
+    """The forked child: compute, send, leave without running any cleanup."""
+    code = 1
+    try:
+        os.close(read_fd)
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
+            logging.disable(logging.INFO)  # the model's build logs were the parent's
+            gc.disable()  # the crash (see in_children) comes from a collection; we _exit
+            payload = (True, fn())
+        except BaseException as err:  # noqa: BLE001 - everything goes to the parent
+            try:
+                pickle.dumps(err)
+                payload = (False, err)
+            except Exception:  # noqa: BLE001
+                payload = (False, RuntimeError(f"{type(err).__name__}: {err}"))
+        with os.fdopen(write_fd, "wb") as pipe:
+            pickle.dump(payload, pipe)
+        code = 0
+    finally:  # never return into the parent's stack (a second training process)
+        os._exit(code)
+
+
+def in_children(fns: list[Callable[[], Any]], parallel: int | None = None) -> list[Any]:
+    """Run each ``fn`` in a forked child process, up to ``parallel`` at once (default: the
+    CPUs this process may use), and return their (pickled) results in order, or re-raise
+    the first job's exception that failed.
+
+    Why children: in torch 2.14, a process that runs several fake-tensor training steps
+    under MemTracker aborts with glibc heap corruption ("corrupted double-linked list")
+    inside a garbage collection (seen with U-Nets after a few traces). Each trace therefore
+    runs in a child with the cyclic garbage collector off, which leaves by ``os._exit``
+    without collecting; the caller's heap never holds a fake tensor. Each child uses one
+    thread, so children side by side use the CPUs a single trace leaves idle. Where
+    ``os.fork`` does not exist (Windows), or CUDA is initialised (a forked child cannot use
+    it), the jobs run in this process, one after another.
     """
     if not hasattr(os, "fork") or torch.cuda.is_initialized():
-        return fn()  # no fork, or CUDA already up (a forked child could not use it)
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: compute, send, leave without running any cleanup
-        code = 1
+        return [fn() for fn in fns]  # no fork, or CUDA already up (a child could not use it)
+    if parallel is None:
         try:
-            os.close(read_fd)
-            try:
-                torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork
-                logging.disable(logging.INFO)  # the model's build logs were the parent's
-                gc.disable()  # the crash above comes from a collection; the child _exits
-                payload = (True, fn())
-            except BaseException as err:  # noqa: BLE001 - everything goes to the parent
-                try:
-                    pickle.dumps(err)
-                    payload = (False, err)
-                except Exception:  # noqa: BLE001
-                    payload = (False, RuntimeError(f"{type(err).__name__}: {err}"))
-            with os.fdopen(write_fd, "wb") as pipe:
-                pickle.dump(payload, pipe)
-            code = 0
-        finally:  # never return into the parent's stack (a second training process)
-            os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        data = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if not data:
-        raise RuntimeError(f"trace: the tracing process died (wait status {status}) before "
-                           "it sent a result")
-    ok, value = pickle.loads(data)
-    if not ok:
-        raise value
-    return value
+            parallel = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            parallel = os.cpu_count() or 1
+    parallel = max(1, int(parallel))
+    results: list[Any] = [None] * len(fns)
+    pending = list(enumerate(fns))
+    running: dict[int, tuple[int, int, bytearray]] = {}  # read fd -> (job, pid, data)
+    selector = selectors.DefaultSelector()
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                job, fn = pending.pop(0)
+                read_fd, write_fd = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    _child(fn, read_fd, write_fd)
+                os.close(write_fd)
+                running[read_fd] = (job, pid, bytearray())
+                selector.register(read_fd, selectors.EVENT_READ)
+            for key, _ in selector.select():
+                fd = key.fd
+                chunk = os.read(fd, 1 << 20)
+                if chunk:
+                    running[fd][2].extend(chunk)
+                    continue
+                selector.unregister(fd)
+                os.close(fd)
+                job, pid, data = running.pop(fd)
+                _, status = os.waitpid(pid, 0)
+                if not data:
+                    results[job] = (False, RuntimeError(
+                        f"trace: the tracing process died (wait status {status}) before it "
+                        "sent a result"))
+                else:
+                    results[job] = pickle.loads(bytes(data))
+    finally:
+        selector.close()
+    for ok, value in results:
+        if not ok:
+            raise value
+    return [value for _, value in results]

@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from remat.measure import format_bytes
-from remat.measure.trace import trace_step
+from remat.measure.trace import built_fn, in_children, step_fn, trace_steps
 from remat.planner.devices import DeviceSpec, get_device
 from remat.planner.memory import parse_memory
 from remat.planner.plan import Plan, PlanStrategy, UnitPlan
-from remat.planner.profile import Profile, calibrate_profile, profile_model
+from remat.planner.profile import Profile, calibrate_profile, profile_fn
 from remat.planner.search import (
     Option,
     best_plan,
@@ -99,15 +99,24 @@ class Planned:
     seconds: float = 0.0
 
 
-def trace(build: Builder, strategy: CheckpointStrategy, batch_size: int, size: Any,
-          precision: str, accumulate_grad_batches: int = 1,
-          device: torch.device | None = None) -> Traced:
-    """Trace one training step of ``build(strategy)`` (peak over two optimizer steps, FLOPs
-    of one batch with recompute)."""
-    _, peak = trace_step(lambda: build(strategy), batch_size, size,
-                         device or torch.device("cpu"), precision, fake=True,
-                         accumulate_grad_batches=accumulate_grad_batches, count_flops=True)
+def _job(build: Builder, strategy: CheckpointStrategy, batch_size: int, size: Any,
+         precision: str, accumulate_grad_batches: int = 1) -> dict[str, Any]:
+    return {"build": lambda: build(strategy), "batch_size": batch_size, "size": size,
+            "device": torch.device("cpu"), "precision": precision, "fake": True,
+            "accumulate_grad_batches": accumulate_grad_batches, "count_flops": True}
+
+
+def _traced(result: tuple[str, Any]) -> Traced:
+    _, peak = result
     return Traced(int(peak.peak_bytes), dict(peak.categories), int(peak.step_flops or 0))
+
+
+def trace(build: Builder, strategy: CheckpointStrategy, batch_size: int, size: Any,
+          precision: str, accumulate_grad_batches: int = 1) -> Traced:
+    """Trace one training step of ``build(strategy)`` (peak over two optimizer steps, FLOPs
+    of one batch with recompute) on the CPU under FakeTensorMode."""
+    return _traced(trace_steps([_job(build, strategy, batch_size, size, precision,
+                                     accumulate_grad_batches)])[0])
 
 
 class Planner:
@@ -156,8 +165,14 @@ class Planner:
         self.max_segment = max_segment
         self.cache: dict[str, Traced] = {}
         start = time.perf_counter()
-        self.profile: Profile = profile_model(lambda: build(NoCheckpoint()), self.units_paths,
-                                              self.spec, batch_size, size, precision)
+        # the profile and the trace of none, side by side
+        profile, none = in_children([
+            built_fn(lambda: build(NoCheckpoint()), profile_fn(
+                self.units_paths, self.spec, batch_size, size, precision), torch.device("cpu")),
+            step_fn(**_job(build, NoCheckpoint(), batch_size, size, precision,
+                           accumulate_grad_batches))])
+        self.profile: Profile = profile
+        self.cache[repr(NoCheckpoint())] = _traced(none)
         if calibrate:
             present = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             if (present.type == "cpu") != (self.spec.name == "cpu"):
@@ -167,7 +182,7 @@ class Planner:
                                  f"with strategy.device={here} or without calibrate")
             calibrate_profile(self.profile, lambda: build(NoCheckpoint()), batch_size, size,
                               precision, present)
-        self.none = self.trace(NoCheckpoint())
+        self.none = self.cache[repr(NoCheckpoint())]
         self._prepare()
         self.setup_seconds = time.perf_counter() - start
 
@@ -176,12 +191,22 @@ class Planner:
               key: str = "") -> Traced:
         """Trace a step of the model with ``strategy`` (``build``: another builder, e.g.
         with other stages; ``key`` names it in the cache)."""
-        key += repr(strategy.plan.units) if isinstance(strategy, PlanStrategy) else repr(
-            strategy)
-        if key not in self.cache:
-            self.cache[key] = trace(build or self.build, strategy, self.batch_size, self.size,
-                                    self.precision, self.accumulate)
-        return self.cache[key]
+        return self.trace_many([strategy], build, key)[0]
+
+    def trace_many(self, strategies: Sequence[CheckpointStrategy],
+                   build: Builder | None = None, key: str = "") -> list[Traced]:
+        """:meth:`trace` for several strategies, traced side by side (one child process per
+        CPU), cached."""
+        keys = [key + (repr(s.plan.units) if isinstance(s, PlanStrategy) else repr(s))
+                for s in strategies]
+        todo = {k: s for k, s in zip(keys, strategies, strict=True) if k not in self.cache}
+        if todo:
+            results = trace_steps([_job(build or self.build, s, self.batch_size, self.size,
+                                        self.precision, self.accumulate)
+                                   for s in todo.values()])
+            for k, result in zip(todo, results, strict=True):
+                self.cache[k] = _traced(result)
+        return [self.cache[k] for k in keys]
 
     def _prepare(self) -> None:
         prof = self.profile
@@ -243,7 +268,9 @@ class Planner:
 
     def floor(self) -> tuple[Plan, Traced]:
         """The plan with the least traced peak among: the least modelled peak, and every
-        unit recomputed block by block, in sqrt(n) segments, or as one segment."""
+        unit recomputed block by block, in sqrt(n) segments, in segments of 2 or 4 blocks,
+        or as one segment (so no fixed segment strategy over the whole network is below
+        it)."""
         if getattr(self, "_floor", None) is None:
             best = None
             for cap in [*self.caps, None]:
@@ -253,10 +280,12 @@ class Planner:
                 if best is None or peak < best[0]:
                     best = (peak, choice)
             plans = [self._plan_of(best[1])]
-            for segments in (full_segments, sqrt_segments_of, one_segment):
+            for segments in (full_segments, sqrt_segments_of, one_segment,
+                             lambda n: k_segments(n, 2), lambda n: k_segments(n, 4)):
                 plans.append(self._plan_of({u.path: self._option(u.path, segments(
                     len(u.blocks))) for u in self.profile.units}))
-            traced = [(self.trace(PlanStrategy(p)), p) for p in plans]
+            traced = list(zip(self.trace_many([PlanStrategy(p) for p in plans]), plans,
+                              strict=True))
             floor, plan = min(traced, key=lambda x: x[0].peak_bytes)
             self._floor = (plan, floor)
         return self._floor
@@ -345,12 +374,13 @@ class Planner:
             target = nxt
         plan, traced = min(pool, key=self._rank)
         # the fixed strategies, written as plans: one that fits and costs less wins
-        for _, ref in self.references(self.default_stages):
-            if self.modelled_cost(ref) < self._rank((plan, traced))[0]:
-                ref_traced = self.trace(PlanStrategy(ref))
-                if ref_traced.peak_bytes <= allowed and self._rank(
-                        (ref, ref_traced)) < self._rank((plan, traced)):
-                    plan, traced = ref, ref_traced
+        refs = [ref for _, ref in self.references(self.default_stages)
+                if self.modelled_cost(ref) < self._rank((plan, traced))[0]]
+        for ref, ref_traced in zip(refs, self.trace_many([PlanStrategy(r) for r in refs]),
+                                   strict=True):
+            if ref_traced.peak_bytes <= allowed and self._rank(
+                    (ref, ref_traced)) < self._rank((plan, traced)):
+                plan, traced = ref, ref_traced
         return Planned(self._finish(plan, traced, budget, margin), floor.peak_bytes, traces,
                        time.perf_counter() - start)
 

@@ -285,9 +285,17 @@ def profile_model(build: Callable[[], nn.Module], paths: Sequence[str] | None,
         remat.strategies.StageError, ValueError: see :func:`find_candidates`.
     """
     torch_device = torch_device or torch.device("cpu")
-    return run_built(build, _picklable(_profile_fn(paths, device, batch_size, size,
-                                                   precision, torch_device)),
-                     torch_device, fake=True)
+    return run_built(build, profile_fn(paths, device, batch_size, size, precision,
+                                       torch_device), torch_device, fake=True)
+
+
+def profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int, size: Any,
+               precision: str, torch_device: torch.device | None = None
+               ) -> Callable[[nn.Module], Profile]:
+    """The work of :func:`profile_model` on a built model (to run in a child process with
+    :func:`remat.measure.trace.built_fn`); its result pickles."""
+    return _picklable(_profile_fn(paths, device, batch_size, size, precision,
+                                  torch_device or torch.device("cpu")))
 
 
 def _picklable(fn: Callable[[nn.Module], Profile]) -> Callable[[nn.Module], Profile]:

@@ -657,6 +657,21 @@ def _build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
     return strategies
 
 
+def _planned(strategies: dict[str, CheckpointStrategy], model_cfg: DictConfig,
+             batch_size: int, size: int, precision: str, stages: list[str], where: str,
+             notes: list[str]) -> dict[str, CheckpointStrategy]:
+    """``strategies`` with each memory budget (``{name: budget, ...}``) planned for this
+    batch and size (its plan noted in ``notes``)."""
+    runs = dict(strategies)
+    for label, strategy in strategies.items():
+        if getattr(strategy, "needs_plan", False):
+            runs[label] = strategy.planned(
+                lambda s, mc=model_cfg: instantiate(mc, strategy=s), batch_size, size,
+                precision, default_stages=stages)
+            notes.append(f"{where}: {label}: " + runs[label].plan.summary().replace("\n", "; "))
+    return runs
+
+
 def bench(cfg: DictConfig) -> dict[str, Any]:
     """Run the benchmark the config describes, once per size in the size list; write
     ``bench.csv``, ``bench.json`` and ``bench.png`` (one table, a ``size`` column).
@@ -703,14 +718,10 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
             if size_key == "data.block_size":
                 model_cfg.block_size = size  # the model follows the data, as in training
         base = instantiate(model_cfg)  # no strategy: wraps nothing
-        runs = dict(strategies)
-        for label, strategy in strategies.items():
-            if getattr(strategy, "needs_plan", False):  # a budget: plan it for this size
-                runs[label] = strategy.planned(
-                    lambda s, mc=model_cfg: instantiate(mc, strategy=s), batch_size, size,
-                    precision, default_stages=list(cfg.model.stages))
-                notes.append(f"size {size}: {label}: "
-                             + runs[label].plan.summary().replace("\n", "; "))
+        runs = _planned(strategies, model_cfg, batch_size, size, precision,
+                        list(cfg.model.stages), f"size {size}", notes)
+        size_compile_runs = _planned(compile_runs, model_cfg, batch_size, size, precision,
+                                     list(cfg.model.stages), f"size {size}, compiled", notes)
         if cfg.get("reference_points", True):
             references, skipped = reference_rows(base, list(cfg.model.stages))
             runs.update(references)
@@ -722,9 +733,9 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                  for k, v in base.example_batch(batch_size, size, generator).items()}
         args = (precision, int(cfg.warmup), int(cfg.steps), int(cfg.seed), slot)
         size_rows, grads = _measure(base, list(cfg.model.stages), runs, batch, device, *args)
-        if compile_runs:
+        if size_compile_runs:
             size_notes: list[str] = []
-            compiled_rows, _ = _measure(base, list(cfg.model.stages), compile_runs, batch,
+            compiled_rows, _ = _measure(base, list(cfg.model.stages), size_compile_runs, batch,
                                         device, *args, compile_backend=backend,
                                         reference_grads=grads["none"], notes=size_notes)
             size_rows += compiled_rows

@@ -136,8 +136,7 @@ def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> li
 def frontier(planner: Planner, count: int) -> list[Point]:
     """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none."""
     _, floor = planner.floor()
-    low = int(floor.peak_bytes / (1 - planner.margin)) + 1
-    high = int(planner.none.peak_bytes / (1 - planner.margin)) + 1
+    low, high = planner.budget_for(floor.peak_bytes), planner.budget_for(planner.none.peak_bytes)
     points = []
     for i in range(count):
         budget = low + (high - low) * i // max(1, count - 1)

@@ -41,10 +41,10 @@ def test_plans_fit_their_budgets_as_traced_and_as_measured(gpt):
     seen = set()
     for frac in (0.25, 0.6, 0.95):
         allowed = int(floor.peak_bytes + frac * (none - floor.peak_bytes))
-        budget = int(allowed / (1 - planner.margin)) + 1
+        budget = planner.budget_for(allowed)
         plan = planner.plan(budget).plan
         assert plan.predicted_peak_bytes <= budget - plan.margin_bytes
-        assert plan.margin_bytes == int(budget * planner.margin)
+        assert plan.margin_bytes == planner.margin_for(budget) == int(budget * planner.margin)
         measured = _real_peak(build, PlanStrategy(plan), planner)
         # the fake trace is the real step's MemTracker peak
         assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * measured
@@ -52,8 +52,8 @@ def test_plans_fit_their_budgets_as_traced_and_as_measured(gpt):
         seen.add(plan.summary())
     assert len(seen) >= 2  # different budgets give different plans
     # a larger budget never costs more recompute
-    flops = [planner.plan(int((floor.peak_bytes + f * (none - floor.peak_bytes))
-                              / (1 - planner.margin)) + 1).plan.recompute_flops
+    flops = [planner.plan(planner.budget_for(int(floor.peak_bytes + f * (
+        none - floor.peak_bytes)))).plan.recompute_flops
              for f in (0.25, 0.95)]
     assert flops[0] >= flops[1]
 
@@ -62,7 +62,7 @@ def test_plan_beats_or_equals_fixed_strategies_that_fit(gpt):
     planner, _ = gpt
     for _, ref in planner.references(["blocks"]):
         traced = planner.trace(PlanStrategy(ref))
-        budget = int(traced.peak_bytes / (1 - planner.margin)) + 1
+        budget = planner.budget_for(traced.peak_bytes)
         plan = planner.plan(budget).plan
         assert plan.predicted_peak_bytes <= traced.peak_bytes
         assert planner.modelled_cost(plan) <= planner.modelled_cost(ref) + 1e-12
@@ -71,7 +71,7 @@ def test_plan_beats_or_equals_fixed_strategies_that_fit(gpt):
 def test_plan_computes_the_same_function(gpt):
     planner, build = gpt
     plan_floor, _ = planner.floor()
-    mixed = planner.plan(int(0.97 * planner.none.peak_bytes / (1 - planner.margin))).plan
+    mixed = planner.plan(planner.budget_for(int(0.97 * planner.none.peak_bytes))).plan
     ref_model = build(NoCheckpoint())
     for plan in (plan_floor, mixed):
         model = build(PlanStrategy(plan))

@@ -10,7 +10,9 @@ from remat.planner import InfeasibleBudget
 from remat.train import train
 from tests.helpers import TINY, compose_app, compose_train
 
-NET = ["model.arch_kwargs.decoder_channels=[32,16,16,8,8]", "data.image_size=96"]
+# plain SGD (no optimizer state): activations, not Adam's moments, set the peak
+NET = ["model.arch_kwargs.decoder_channels=[32,16,16,8,8]", "data.image_size=128",
+       "model.optimizer._target_=torch.optim.SGD", "~model.optimizer.weight_decay"]
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +31,12 @@ def test_plan_cli_writes_a_plan_for_the_budget(planned):
     out, none, plan = planned
     assert (out / "plan.json").is_file() and (out / "plan_report.json").is_file()
     assert plan["predicted_peak_bytes"] == none  # half the RAM: no checkpointing needed
-    assert plan["device"] == "cpu" and plan["batch_size"] == 4 and plan["size"] == 96
+    assert plan["device"] == "cpu" and plan["batch_size"] == 4 and plan["size"] == 128
 
 
 def test_train_with_a_budget_shows_predicted_and_measured_peak(tmp_path, planned):
     _, none, _ = planned
-    budget = int(0.97 * none)
+    budget = int(0.92 * none)
     cfg = compose_train(tmp_path, [*TINY, *NET, "strategy=budget", f"strategy.memory={budget}",
                                    "strategy.device=cpu", "strategy.max_traces=2",
                                    "strategy.margin=0.0"])
@@ -97,7 +99,7 @@ def test_plan_cli_frontier_files(tmp_path):
     assert len(plans) == 2 and len(rows) == 3
     assert (tmp_path / "frontier.png").stat().st_size > 1000
     # the first budget is the floor's: its plan recomputes, the last (none's peak) does not
-    assert plans[0]["peak_bytes"] <= plans[0]["budget_bytes"] * (1 - 0.05)
+    assert plans[0]["peak_bytes"] <= plans[0]["budget_bytes"] * (1 - 0.02)  # no conv: margin only
     assert plans[0]["flops_ratio"] > 1.0 and plans[-1]["flops_ratio"] == 1.0
     assert plans[-1]["peak_bytes"] == result["none_peak_bytes"]
 

@@ -30,7 +30,8 @@ class BudgetStrategy(CheckpointStrategy):
         device: the device planned for: ``auto`` (the one present), a name
             (:data:`remat.planner.DEVICES`: ``h100``, ``a100_80gb``, ``l4``, ...), ``cpu``, or
             a mapping of figures (see :func:`remat.planner.get_device`).
-        margin: fraction of the budget kept free for allocator temporaries.
+        margin: fraction of the budget kept free for allocator temporaries and rounding
+            (the largest convolution tensor is kept free as well).
         units: candidate unit paths (globs); ``None``: the whole network.
         max_traces: traced plans per budget before the best one is taken.
         objective: ``time`` (modelled recompute time on ``device``) or ``flops``.
@@ -45,7 +46,7 @@ class BudgetStrategy(CheckpointStrategy):
     needs_plan = True
     recomputes = True
 
-    def __init__(self, memory: Any = 0.8, device: Any = "auto", margin: float = 0.05,
+    def __init__(self, memory: Any = 0.8, device: Any = "auto", margin: float = 0.02,
                  units: Sequence[str] | None = None, max_traces: int = 6,
                  objective: str = "time", calibrate: bool = False) -> None:
         self.calibrate = bool(calibrate)

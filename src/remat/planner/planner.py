@@ -7,11 +7,11 @@ MemTracker, two optimizer steps, as ``remat.estimate``) and corrects the search'
 what the trace shows, until the traced peak plus the margin fits the budget. Every plan
 returned has been traced; its ``predicted_peak_bytes`` is that trace.
 
-The margin (``margin``, a fraction of the budget, default 0.05) covers what a tensor-level
-trace cannot see: temporaries inside backward kernels (on this CPU 36 MiB inside
-``convolution_backward`` of a U-Net-R34 at 512 px, 4% of its peak, seen by
-``torch.profiler`` memory events) and, on CUDA, kernel workspaces and the allocator's
-512-byte rounding.
+The margin covers what a tensor-level trace cannot see: temporaries inside backward kernels
+(on this CPU 36 MiB inside ``convolution_backward`` of a U-Net-R34 at 512 px, 4% of its
+peak, seen by ``torch.profiler`` memory events: about the largest convolution tensor, which
+is kept free) plus ``margin`` of the budget (default 2%: on CUDA, kernel workspaces and the
+allocator's 512-byte rounding).
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class Planner:
         device: a device name, mapping or :class:`DeviceSpec` (see
             :func:`remat.planner.devices.get_device`).
         units: candidate unit paths (globs), or ``None`` for the whole network.
-        margin: fraction of the budget kept free for allocator temporaries.
+        margin: fraction of the budget kept free for allocator temporaries and rounding;
+            the largest convolution tensor is kept free as well.
         max_traces: traces per budget before giving the best one found.
         max_segment: longest recompute segment (blocks).
         objective: ``time`` (modelled recompute time) or ``flops``.
@@ -144,7 +145,7 @@ class Planner:
 
     def __init__(self, build: Builder, batch_size: int, size: Any, precision: str = "32-true",
                  accumulate_grad_batches: int = 1, device: str | dict | DeviceSpec = "auto",
-                 units: Sequence[str] | None = None, margin: float = 0.05,
+                 units: Sequence[str] | None = None, margin: float = 0.02,
                  max_traces: int = 6, max_segment: int | None = None,
                  objective: str = "time", default_stages: Sequence[str] = (),
                  calibrate: bool = False) -> None:
@@ -325,7 +326,7 @@ class Planner:
         """
         start = time.perf_counter()
         budget = parse_memory(memory, self.spec.memory_bytes or None)
-        margin = int(budget * self.margin)
+        margin = self.margin_for(budget)
         allowed = budget - margin
         if self.none.peak_bytes <= allowed:
             plan = self._plan_of({u.path: Option(0, 0, 0.0, 0, [
@@ -383,6 +384,15 @@ class Planner:
                 plan, traced = ref, ref_traced
         return Planned(self._finish(plan, traced, budget, margin), floor.peak_bytes, traces,
                        time.perf_counter() - start)
+
+    def budget_for(self, peak: int) -> int:
+        """The smallest budget (bytes) whose :meth:`margin_for` leaves ``peak`` bytes."""
+        return math.ceil((peak + self.profile.largest_conv_bytes) / (1 - self.margin)) + 1
+
+    def margin_for(self, budget: int) -> int:
+        """Bytes of ``budget`` kept free: ``margin`` of it, plus the largest convolution
+        tensor (CPU ``convolution_backward`` temporaries the trace does not see)."""
+        return int(budget * self.margin) + int(self.profile.largest_conv_bytes)
 
     def modelled_cost(self, plan: Plan) -> float:
         """The search's objective for ``plan``: modelled recompute time (s) or FLOPs."""

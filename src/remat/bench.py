@@ -665,9 +665,17 @@ def _planned(strategies: dict[str, CheckpointStrategy], model_cfg: DictConfig,
     runs = dict(strategies)
     for label, strategy in strategies.items():
         if getattr(strategy, "needs_plan", False):
-            runs[label] = strategy.planned(
-                lambda s, mc=model_cfg: instantiate(mc, strategy=s), batch_size, size,
-                precision, default_stages=stages)
+            from remat.planner import InfeasibleBudget
+
+            try:
+                runs[label] = strategy.planned(
+                    lambda s, mc=model_cfg: instantiate(mc, strategy=s), batch_size, size,
+                    precision, default_stages=stages)
+            except InfeasibleBudget as err:  # one row that cannot be met: a note, not a stop
+                del runs[label]
+                notes.append(f"{where}: {label} skipped: {str(err).splitlines()[0]}")
+                print(f"note: {where}: {label} skipped: {err}", flush=True)
+                continue
             notes.append(f"{where}: {label}: " + runs[label].plan.summary().replace("\n", "; "))
     return runs
 

@@ -103,7 +103,9 @@ def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
     plan_size = tuple(plan.size) if isinstance(plan.size, list) else plan.size
     checks = (("data.batch_size", plan.batch_size, shape.batch_size),
               (shape.size_key or "size", plan_size, size),
-              ("precision", plan.precision, str(cfg.get("precision"))))
+              ("precision", plan.precision, str(cfg.get("precision"))),
+              ("accumulate_grad_batches", plan.accumulate_grad_batches,
+               int(cfg.get("accumulate_grad_batches", 1) or 1)))
     for key, planned, running in checks:
         if planned and running is not None and planned != running:
             raise ValueError(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
@@ -113,6 +115,10 @@ def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
 
 def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:
     whole = [u.path for u in planner.profile.units]
+    # modelled step time of each fixed strategy: the same strategy written as a plan
+    modelled = {label: 1.0 + planner.modelled_time(plan) / max(planner.profile.step_time,
+                                                                 1e-12)
+                for label, plan in planner.references(default_stages)}
     points = []
     for stages_label, stages in (("default stages", default_stages), ("whole network", whole)):
         for label, name, kwargs in FIXED:
@@ -127,9 +133,10 @@ def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> li
                                     None, None, f"{type(err).__name__}: {err}"[:200]))
                 continue
             extra = max(0, traced.step_flops - planner.none.step_flops)
-            points.append(Point("fixed", f"{label} ({stages_label})" if name != "none"
-                                else "none", None, traced.peak_bytes, extra,
-                                1 + extra / max(planner.none.step_flops, 1), None))
+            full_label = f"{label} ({stages_label})" if name != "none" else "none"
+            points.append(Point("fixed", full_label, None, traced.peak_bytes, extra,
+                                1 + extra / max(planner.none.step_flops, 1),
+                                1.0 if name == "none" else modelled.get(full_label)))
     return points
 
 
@@ -209,7 +216,7 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str
             planner = Planner(build, micro, size, precision, accumulate, device=cfg.device,
                               units=cfg.get("units"), margin=float(cfg.margin),
                               objective=str(cfg.get("objective", "time")),
-                              default_stages=list(cfg.model.get("stages") or []))
+                              default_stages=list(cfg.model.get("stages") or []), key="")
             plan = planner.plan(memory).plan
         except InfeasibleBudget as err:
             row.update(fits=False, note=str(err).splitlines()[0])
@@ -237,7 +244,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                       max_traces=int(cfg.get("max_traces", 6)),
                       objective=str(cfg.get("objective", "time")),
                       default_stages=list(cfg.model.get("stages") or []),
-                      calibrate=bool(cfg.get("calibrate", False)))
+                      calibrate=bool(cfg.get("calibrate", False)), key="")
     spec = planner.spec
     head = (f"plan for {planner.profile.model}, batch {batch_size}, size {size}, {precision}"
             + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
@@ -252,8 +259,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
               f"): predicted peak {format_bytes(plan.predicted_peak_bytes)} (none "
               f"{format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
               f"{1 + plan.recompute_flops / max(plan.step_flops, 1):.3f} of none, modelled "
-              f"step time x{plan.predicted_overhead:.3f} "
-              f"({planned.seconds + planner.setup_seconds:.1f} s)")
+              f"step time x{plan.predicted_overhead:.3f} (planned in "
+              f"{planned.seconds + planner.setup_seconds:.1f} s)")
         print(plan.summary())
         print(f"plan written to {out / 'plan.json'}; train with strategy=plan "
               f"strategy.path={out / 'plan.json'}")

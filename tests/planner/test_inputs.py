@@ -10,7 +10,7 @@ from remat.planner.budget import BudgetStrategy
     ("12GiB", 12 * 2**30), ("12 GB", 12 * 10**9), ("800MiB", 800 * 2**20),
     ("1.5 gib", int(1.5 * 2**30)), ("24000000000", 24 * 10**9), (24_000_000_000, 24 * 10**9),
     ("2e9", 2 * 10**9), ("16G", 16 * 2**30), (0.5, 40 * 10**9), ("0.25", 20 * 10**9),
-    (1, 1),  # an int is bytes, never a fraction
+    (2**20, 2**20), ("1048576", 2**20),  # an integer is bytes, never a fraction
 ])
 def test_parse_memory_forms(value, expected):
     assert parse_memory(value, device_memory=80 * 10**9) == expected
@@ -18,7 +18,9 @@ def test_parse_memory_forms(value, expected):
 
 @pytest.mark.parametrize("value,match", [
     ("twelve", "cannot read a memory size"), ("12 parsecs", "cannot read"), ("", "cannot read"),
-    (0, "must be > 0"), ("0GiB", "must be > 0"), (-3, "must be > 0"), ("-1GiB", "cannot read"),
+    (0, "must be > 0"), ("0GiB", "must be > 0"), (-3, "must be > 0"), ("-1GiB", "must be > 0"),
+    (1.5, r"must be in \(0, 1\]"), ("2.5", r"must be in \(0, 1\]"),
+    (1, "less than 1 MiB"), ("1000", "less than 1 MiB"),
     ("81GB", "more than the device's memory"), (None, "give a memory budget"),
     (True, "give a memory budget"), (float("nan"), "must be > 0"),
 ])

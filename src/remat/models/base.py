@@ -56,6 +56,8 @@ class StrategyModule(L.LightningModule):
         try:
             self.strategy_report: StrategyReport = self.strategy.apply(self.net, stages)
         except StageError as err:
+            if getattr(self.strategy, "names_own_units", False):
+                raise  # a plan names its units (and its file) itself; model.stages is unused
             raise StageError(f"model.stages={stages}: {err}") from err
         log.info("strategy %s wrapped %d modules in %s: %s", self.strategy_report.strategy,
                  len(self.strategy_report.wrapped), ", ".join(self.strategy_report.stages),

@@ -94,7 +94,7 @@ def _unknown(name: str, key: str) -> ValueError:
     return ValueError(
         f"{key}={name!r}: unknown device; known: {', '.join(known_devices())}. For another "
         f"device give its figures by hand: {key}={{name: mygpu, memory_bytes: 48e9, "
-        "fp32_flops: 40e12, bf16_flops: 300e12, bandwidth: 1.5e12}} (FLOP/s and bytes/s)")
+        "fp32_flops: 40e12, bf16_flops: 300e12, bandwidth: 1.5e12} (FLOP/s and bytes/s)")
 
 
 @functools.cache

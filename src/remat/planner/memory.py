@@ -12,7 +12,8 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_PATTERN = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$",
+                      re.IGNORECASE)
 
 
 def parse_memory(value: Any, device_memory: int | None = None,
@@ -42,8 +43,13 @@ def parse_memory(value: Any, device_memory: int | None = None,
         number, unit = float(match.group(1)), match.group(2).lower()
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"{key}={value!r}: a memory budget must be > 0")
+    is_int = isinstance(value, int) or (isinstance(value, str) and "." not in value
+                                        and "e" not in value.lower())
+    if (unit is None or unit == "") and not is_int and number > 1 and not number.is_integer():
+        raise ValueError(f"{key}={value!r}: a fraction of the device's memory must be in "
+                         "(0, 1]; give bytes as an integer or a size such as 12GiB")
     if unit is None or unit == "":
-        if number <= 1 and not (isinstance(value, int) and not isinstance(value, bool)):
+        if number <= 1 and not is_int:
             if device_memory is None:
                 raise ValueError(f"{key}={value!r} is a fraction of the device's memory, but "
                                  "the device's memory is not known; give bytes or a size "
@@ -53,8 +59,9 @@ def parse_memory(value: Any, device_memory: int | None = None,
             budget = int(number)
     else:
         budget = int(number * _UNITS[unit])
-    if budget <= 0:
-        raise ValueError(f"{key}={value!r}: a memory budget must be at least 1 byte")
+    if budget < 2**20:
+        raise ValueError(f"{key}={value!r} is {budget} bytes, less than 1 MiB: give a size "
+                         "with a unit (12GiB), or a fraction of the device's memory (0.8)")
     if device_memory is not None and device_memory > 0 and budget > device_memory:
         raise ValueError(f"{key}={value!r} ({budget / 2**30:.2f} GiB) is more than the "
                          f"device's memory ({device_memory / 2**30:.2f} GiB)")

@@ -169,6 +169,7 @@ class PlanStrategy(RecomputeStrategy):
     """
 
     name = "plan"
+    names_own_units = True  # model.stages is not used: errors name the plan, not the stages
 
     def __init__(self, plan: Plan | dict | None = None, path: str | None = None) -> None:
         if plan is None and path is None:
@@ -198,7 +199,10 @@ class PlanStrategy(RecomputeStrategy):
                              f"{self.plan.model or 'unknown'}, parameters differ); plan again "
                              "for this model with python -m remat.plan")
         units = [u for u in self.plan.units if u.changed]
-        resolved = dict(resolve_stages(model, [u.path for u in units])) if units else {}
+        try:
+            resolved = dict(resolve_stages(model, [u.path for u in units])) if units else {}
+        except StageError as err:
+            raise StageError(f"{where}: {err}; plan again for this model") from err
         wrapping.unwrap_all(model)
         report = StrategyReport(strategy=self.name, stages=[u.path for u in units])
         try:

@@ -148,7 +148,8 @@ class Planner:
                  units: Sequence[str] | None = None, margin: float = 0.02,
                  max_traces: int = 6, max_segment: int | None = None,
                  objective: str = "time", default_stages: Sequence[str] = (),
-                 calibrate: bool = False) -> None:
+                 calibrate: bool = False, key: str = "strategy") -> None:
+        self.key = key  # config prefix of memory/device/units in messages ("" for remat.plan)
         if objective not in ("time", "flops"):
             raise ValueError(f"strategy.objective={objective!r}: use time (roofline on the "
                              "device) or flops (recompute FLOPs, device-independent)")
@@ -159,7 +160,7 @@ class Planner:
         self.build = build
         self.batch_size, self.size = batch_size, size
         self.precision, self.accumulate = precision, accumulate_grad_batches
-        self.spec = get_device(device)
+        self.spec = get_device(device, key=self._key("device"))
         self.units_paths = list(units) if units else None
         self.margin = float(margin)
         self.max_traces = int(max_traces)
@@ -325,7 +326,7 @@ class Planner:
             InfeasibleBudget: not even the floor plan fits.
         """
         start = time.perf_counter()
-        budget = parse_memory(memory, self.spec.memory_bytes or None)
+        budget = parse_memory(memory, self.spec.memory_bytes or None, key=self._key("memory"))
         margin = self.margin_for(budget)
         allowed = budget - margin
         if self.none.peak_bytes <= allowed:
@@ -389,6 +390,9 @@ class Planner:
         """The smallest budget (bytes) whose :meth:`margin_for` leaves ``peak`` bytes."""
         return math.ceil((peak + self.profile.largest_conv_bytes) / (1 - self.margin)) + 1
 
+    def _key(self, name: str) -> str:
+        return f"{self.key}.{name}" if self.key else name
+
     def margin_for(self, budget: int) -> int:
         """Bytes of ``budget`` kept free: ``margin`` of it, plus the largest convolution
         tensor (CPU ``convolution_backward`` temporaries the trace does not see)."""
@@ -439,8 +443,8 @@ class Planner:
         room = budget - margin - static
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in cats.items()
                           if k != "total" and v)
-        lines = [f"strategy.memory={format_bytes(budget)}: no plan fits. The smallest peak any "
-                 f"plan reaches is {format_bytes(floor.peak_bytes)} (+ margin "
+        lines = [f"{self._key('memory')}={format_bytes(budget)}: no plan fits. The smallest "
+                 f"peak any plan reaches is {format_bytes(floor.peak_bytes)} (+ margin "
                  f"{format_bytes(margin)}) at batch {self.batch_size}, size {self.size}, "
                  f"{self.precision}, on {self.spec.name}.",
                  f"  at that peak: {parts}",
@@ -469,8 +473,9 @@ class Planner:
                 if tokens >= 8:
                     lines.append(f"  or data.block_size={tokens} (activations scale with the "
                                  "sequence length, at least; about)")
-        if self.precision == "32-true":
-            lines.append("  or precision=bf16-mixed (activations in 16 bits)")
+        if self.precision == "32-true" and dynamic > 0.25 * floor.peak_bytes:
+            lines.append("  or precision=bf16-mixed (activations in 16 bits; parameters, "
+                         "gradients and optimizer state stay fp32)")
         return "\n".join(lines)
 
 

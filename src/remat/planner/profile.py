@@ -121,10 +121,13 @@ def find_candidates(net: nn.Module, paths: Sequence[str] | None = None) -> list[
         remat.strategies.StageError: a path matches nothing.
         ValueError: the network has no unit (no chain and no module with children).
     """
-    from remat.strategies.stages import resolve_stages
+    from remat.strategies.stages import StageError, resolve_stages
 
     if paths:
-        found = resolve_stages(net, paths)
+        try:
+            found = resolve_stages(net, paths)
+        except StageError as err:
+            raise StageError(f"strategy.units={list(paths)}: {err}") from err
     else:
         found, taken = [], []
         for name, module in net.named_modules():

@@ -30,9 +30,16 @@ def test_option_composes_and_instantiates(tmp_path, kvasir_root, group, option):
         overrides.append(f"data.root={kvasir_root}")
     if option == "timm_native":  # needs a timm model: the tu- ConvNeXt U-Net
         overrides += ["model=unet_convnext", "model.stages=[encoder.model]"]
+    if option == "plan":  # replays a plan file: one that recomputes the first encoder layer
+        from remat.planner import Plan, UnitPlan
+
+        plan = Plan(units=[UnitPlan("encoder.layer1", "chain", [(0, 2, "recompute")])])
+        overrides.append(f"strategy.path={plan.save(tmp_path / 'plan.json')}")
     cfg = compose_train(tmp_path, overrides)
     strategy = instantiate(cfg.strategy)
     assert isinstance(strategy, CheckpointStrategy)
+    if getattr(strategy, "needs_plan", False):
+        return  # planned before the model is built: tests/planner/test_train_budget.py
     datamodule = instantiate(cfg.data)
     assert isinstance(datamodule, L.LightningDataModule)
     if group in ("model", "experiment", "strategy"):

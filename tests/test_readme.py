@@ -26,7 +26,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 APPS = {"train.py": "train", "remat.train": "train", "remat-train": "train",
         "remat.bench": "bench", "remat-bench": "bench", "remat.estimate": "estimate",
         "remat-estimate": "estimate", "remat.eval": "eval", "remat-eval": "eval",
-        "remat.plan": "plan", "remat-plan": "plan"}
+        "remat.plan": "plan", "remat-plan": "plan",
+        "scripts/plan_acceptance.py": "estimate"}  # it composes estimate.yaml
 NOT_COMPOSED = ("make ", "bash scripts/gpu_check.sh", "python -m remat.report",
                 "remat-report")
 

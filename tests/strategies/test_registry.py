@@ -5,13 +5,28 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from remat.config import config_dir
+from remat.planner import BudgetStrategy, PlanStrategy
 from remat.strategies import STRATEGIES, build_strategy
 
-CONFIGS = sorted((config_dir() / "strategy").glob("*.yaml"))
+# the planner's two (remat.planner builds on remat.strategies, so they are not in its
+# registry): a budget is planned before the model is built, a plan needs its file
+PLANNED = {"budget": BudgetStrategy, "plan": PlanStrategy}
+CONFIGS = sorted(p for p in (config_dir() / "strategy").glob("*.yaml") if p.stem not in PLANNED)
 
 
 def test_every_registered_strategy_has_a_config_and_back():
     assert sorted(p.stem for p in CONFIGS) == sorted(STRATEGIES)
+    planned = sorted(p.stem for p in (config_dir() / "strategy").glob("*.yaml")
+                     if p.stem in PLANNED)
+    assert planned == sorted(PLANNED)
+
+
+def test_planner_configs_build_the_planner_strategies(tmp_path):
+    budget = instantiate(OmegaConf.load(config_dir() / "strategy" / "budget.yaml"))
+    assert type(budget) is BudgetStrategy and budget.name == "budget" and budget.needs_plan
+    assert budget.budget_bytes == int(0.8 * budget.spec.memory_bytes)
+    cfg = OmegaConf.load(config_dir() / "strategy" / "plan.yaml")
+    assert cfg._target_ == "remat.planner.PlanStrategy" and OmegaConf.is_missing(cfg, "path")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -346,12 +346,14 @@ class Planner:
                                          - (self.none.peak_bytes - allowed) * scale))
         traces: list[tuple[int, int, float]] = []
         pool: list[tuple[Plan, Traced]] = [(floor_plan, floor)]
-        low, high = modelled_floor, None
+        # bracket on the modelled target: (target, traced peak) of the best fitting and the
+        # least overshooting plan; the floor plan fits
+        low, high = (modelled_floor, floor.peak_bytes), None
         for _ in range(self.max_traces):
             found = best_plan(self.frontiers, self.base, target, self.granularity,
                               self.release)
             if found is None:
-                low, target = target, (target + (high or self.none.peak_bytes)) // 2
+                target = (target + (high[0] if high else self.none.peak_bytes)) // 2
                 continue
             modelled_time, _, choice = found
             plan = self._plan_of(choice)
@@ -359,18 +361,22 @@ class Planner:
             traces.append((target, traced.peak_bytes, modelled_time))
             if traced.peak_bytes <= allowed:
                 pool.append((plan, traced))
-                low = target
-                slack = allowed - traced.peak_bytes
-                if slack < 0.01 * allowed:
+                low = max(low, (target, traced.peak_bytes))
+                if allowed - traced.peak_bytes < 0.01 * allowed:
                     break
-                nxt = target + int(slack * scale)
+                nxt = target + int((allowed - traced.peak_bytes) * scale)
             else:
-                high = target
+                high = min(high, (target, traced.peak_bytes)) if high else (target,
+                                                                            traced.peak_bytes)
                 nxt = target - int((traced.peak_bytes - allowed) * scale) - self.granularity
-            if high is not None:
-                nxt = min(max(nxt, low + 1), high - 1)
-                if high - low <= self.granularity:
+            if high is not None:  # bracketed: regula falsi between the two, else bisect
+                if high[0] - low[0] <= self.granularity:
                     break
+                span = high[1] - low[1]
+                nxt = (low[0] + int((allowed - low[1]) * (high[0] - low[0]) / span)
+                       if span > 0 else (low[0] + high[0]) // 2)
+                if not (low[0] < nxt < high[0]) or nxt in (t for t, _, _ in traces):
+                    nxt = (low[0] + high[0]) // 2
             if nxt == target:
                 break
             target = nxt

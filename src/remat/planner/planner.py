@@ -111,14 +111,6 @@ def _traced(result: tuple[str, Any]) -> Traced:
     return Traced(int(peak.peak_bytes), dict(peak.categories), int(peak.step_flops or 0))
 
 
-def trace(build: Builder, strategy: CheckpointStrategy, batch_size: int, size: Any,
-          precision: str, accumulate_grad_batches: int = 1) -> Traced:
-    """Trace one training step of ``build(strategy)`` (peak over two optimizer steps, FLOPs
-    of one batch with recompute) on the CPU under FakeTensorMode."""
-    return _traced(trace_steps([_job(build, strategy, batch_size, size, precision,
-                                     accumulate_grad_batches)])[0])
-
-
 class Planner:
     """Profile once, then plan for any number of budgets (the frontier reuses the profile).
 
@@ -330,8 +322,8 @@ class Planner:
         margin = self.margin_for(budget)
         allowed = budget - margin
         if self.none.peak_bytes <= allowed:
-            plan = self._plan_of({u.path: Option(0, 0, 0.0, 0, [
-                (i, i + 1, "keep") for i in range(len(u.blocks))]) for u in self.profile.units})
+            plan = self._plan_of({u.path: self._option(u.path, keep_segments(len(u.blocks)))
+                                  for u in self.profile.units})
             return Planned(self._finish(plan, self.none, budget, margin), self.none.peak_bytes,
                            [], time.perf_counter() - start)
         floor_plan, floor = self.floor()

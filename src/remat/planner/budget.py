@@ -12,6 +12,7 @@ from remat.measure import format_bytes
 from remat.planner.devices import get_device
 from remat.planner.memory import parse_memory
 from remat.planner.plan import PlanStrategy
+from remat.planner.planner import check_options, make_plan
 from remat.strategies.base import CheckpointStrategy, StrategyReport
 
 log = logging.getLogger(__name__)
@@ -49,17 +50,13 @@ class BudgetStrategy(CheckpointStrategy):
     def __init__(self, memory: Any = 0.8, device: Any = "auto", margin: float = 0.02,
                  units: Sequence[str] | None = None, max_traces: int = 6,
                  objective: str = "time", calibrate: bool = False) -> None:
+        check_options(objective, margin)
         self.calibrate = bool(calibrate)
-        if objective not in ("time", "flops"):
-            raise ValueError(f"strategy.objective={objective!r}: use time (roofline on the "
-                             "device) or flops (recompute FLOPs, device-independent)")
         self.objective = objective
         self.spec = get_device(device)
         self.memory = memory
         self.budget_bytes = parse_memory(memory, self.spec.memory_bytes or None)
         self.device = device if isinstance(device, str) else self.spec.name
-        if not (0 <= float(margin) < 1):
-            raise ValueError(f"strategy.margin={margin!r}: a fraction of the budget in [0, 1)")
         self.margin = float(margin)
         self.units = list(units) if units else None
         self.max_traces = int(max_traces)
@@ -73,8 +70,6 @@ class BudgetStrategy(CheckpointStrategy):
         Raises:
             remat.planner.InfeasibleBudget: no plan fits (what would fit is in the message).
         """
-        from remat.planner.planner import make_plan
-
         planned = make_plan(build, batch_size, size, self.budget_bytes, precision,
                             device=self.spec, units=self.units, margin=self.margin,
                             max_traces=self.max_traces, objective=self.objective,

@@ -74,6 +74,21 @@ def one_segment(n: int) -> list[tuple[int, int, str]]:
     return [(0, n, "recompute")]
 
 
+def check_options(objective: str, margin: float, key: str = "strategy") -> None:
+    """Raise if ``objective`` or ``margin`` is not one the planner takes.
+
+    Raises:
+        ValueError: ``objective`` not ``time``/``flops``, or ``margin`` outside [0, 1); the
+            message names ``<key>.objective`` / ``<key>.margin``.
+    """
+    prefix = f"{key}." if key else ""
+    if objective not in ("time", "flops"):
+        raise ValueError(f"{prefix}objective={objective!r}: use time (roofline on the device) "
+                         "or flops (recompute FLOPs, device-independent)")
+    if not (0 <= float(margin) < 1):
+        raise ValueError(f"{prefix}margin={margin!r}: a fraction of the budget in [0, 1)")
+
+
 class InfeasibleBudget(ValueError):
     """No plan fits the budget; the message gives the smallest peak any plan reaches, its
     parts, and what would fit instead."""
@@ -142,13 +157,9 @@ class Planner:
                  objective: str = "time", default_stages: Sequence[str] = (),
                  calibrate: bool = False, key: str = "strategy") -> None:
         self.key = key  # config prefix of memory/device/units in messages ("" for remat.plan)
-        if objective not in ("time", "flops"):
-            raise ValueError(f"strategy.objective={objective!r}: use time (roofline on the "
-                             "device) or flops (recompute FLOPs, device-independent)")
+        check_options(objective, margin, key)
         self.objective = objective
         self.default_stages = list(default_stages or [])
-        if not (0 <= float(margin) < 1):
-            raise ValueError(f"strategy.margin={margin!r}: a fraction of the budget in [0, 1)")
         self.build = build
         self.batch_size, self.size = batch_size, size
         self.precision, self.accumulate = precision, accumulate_grad_batches
@@ -206,6 +217,8 @@ class Planner:
         prof = self.profile
         self.blocks = {u.path: [to_block(prof.blocks[b], self.objective) for b in u.blocks]
                        for u in prof.units}
+        self.time_blocks = ({u.path: [to_block(prof.blocks[b]) for b in u.blocks]
+                             for u in prof.units} if self.objective != "time" else self.blocks)
         # a tensor two units refer to (a U-Net skip, a stage output feeding the next stage)
         # stays alive whatever either does: it counts once, in the base
         users: dict[Any, set[str]] = {}
@@ -417,18 +430,8 @@ class Planner:
 
     def modelled_time(self, plan: Plan) -> float:
         """The modelled recompute time of ``plan`` (s, roofline on the planned device)."""
-        total = 0.0
-        for u in plan.units:
-            for start, end, mode in u.segments:
-                costs = [self.profile.blocks[b] for b in self._unit(u.path).blocks[start:end]]
-                if mode == "recompute":
-                    total += sum(c.time for c in costs)
-                elif mode == "selective":
-                    total += sum(c.selective_time for c in costs)
-        return total
-
-    def _unit(self, path: str) -> Any:
-        return next(u for u in self.profile.units if u.path == path)
+        return sum(evaluate_chain(self.time_blocks[u.path], u.segments, self.free).time
+                   for u in plan.units)
 
     def infeasible_message(self, budget: int, margin: int, plan: Plan, floor: Traced) -> str:
         """What the smallest plan needs, its parts, and what would fit instead."""

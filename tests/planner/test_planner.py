@@ -208,3 +208,20 @@ def test_calibrate_times_units_on_the_device_present(tmp_path):
     assert measured.keys() == roofline.keys() and measured != roofline
     assert all(t > 0 for t in measured.values()) and profile.step_time > max(measured.values())
     assert all(c.selective_time <= c.time for c in profile.blocks.values())
+
+
+def test_candidates_of_a_named_sequential_use_its_member_names():
+    """MONAI's Convolution is an nn.Sequential whose children are named (conv, adn): the
+    blocks are the paths named_modules gives (SwinUNETR failed with KeyError '...conv1.0')."""
+    from collections import OrderedDict
+
+    from monai.networks.blocks import Convolution
+
+    net = torch.nn.Module()
+    net.stem = torch.nn.Sequential(OrderedDict(conv=torch.nn.Conv2d(1, 2, 3),
+                                               act=torch.nn.ReLU()))
+    net.block = Convolution(2, 2, 4)
+    named = dict(net.named_modules())
+    units = {u.path: u.blocks for u in find_candidates(net)}
+    assert units["stem"] == ["stem.conv", "stem.act"]
+    assert units["block"] and all(b in named for b in units["block"])

@@ -29,9 +29,10 @@ CHAIN_TYPES = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def chain_members(chain: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(name, member)`` of a chain stage in the order it holds them."""
-    return list(chain.items()) if isinstance(chain, nn.ModuleDict) else [
-        (str(i), m) for i, m in enumerate(chain)]
+    """``(name, member)`` of a chain stage in the order it holds them, by their real names
+    (an ``nn.Sequential`` built from an ``OrderedDict``, or a subclass such as MONAI's
+    ``Convolution``, names them ``conv``, ``adn``, ...; its ``named_modules`` paths use those)."""
+    return [(name, m) for name, m in chain._modules.items() if m is not None]
 
 
 class RecomputeStrategy(CheckpointStrategy):

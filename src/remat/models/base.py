@@ -63,6 +63,65 @@ class StrategyModule(L.LightningModule):
                  len(self.strategy_report.wrapped), ", ".join(self.strategy_report.stages),
                  self.strategy_report.segments)
 
+    def configure_model(self) -> None:
+        """Shard ``self.net`` with FSDP2 when the trainer runs Lightning's
+        ``ModelParallelStrategy`` (``trainer=fsdp``), after the strategy wrapped it:
+        one FSDP unit per checkpointed segment and per block of each stage, then the network
+        (:func:`remat.sharding.shard`). Under any other trainer strategy, nothing. Called by
+        Lightning once per ``fit``/``validate``/``test``; sharding happens once.
+
+        Raises:
+            remat.strategies.StageError: the checkpointing strategy says it cannot be
+                sharded (``shardable`` false), or the trainer's mesh has a tensor-parallel
+                axis.
+        """
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        from remat.sharding import is_sharded, shard
+
+        trainer_strategy = self._trainer.strategy if self._trainer is not None else None
+        if not isinstance(trainer_strategy, ModelParallelStrategy) or is_sharded(self.net):
+            return
+        if not getattr(self.strategy, "shardable", True):
+            raise StageError(
+                f"trainer=fsdp cannot shard a network under strategy={self.strategy.name} "
+                f"({type(self.strategy).__name__}); use trainer=ddp with this strategy, or "
+                "another strategy with trainer=fsdp")
+        mesh = self.device_mesh
+        names = mesh.mesh_dim_names or ()
+        if mesh.ndim > 1:
+            tp = mesh["tensor_parallel"].size() if "tensor_parallel" in names else 0
+            if tp != 1:
+                raise StageError(
+                    f"trainer.strategy: remat shards over data-parallel ranks only, but the "
+                    f"device mesh {dict(zip(names, mesh.shape, strict=False))} has a tensor-"
+                    "parallel axis; use trainer=fsdp (remat.models.fsdp.FSDP2Strategy) or set "
+                    "tensor_parallel_size=1")
+            mesh = mesh["data_parallel"]
+        self._same_units_on_every_rank(mesh)
+        self.shard_report = shard(
+            self.net, mesh, self.strategy_report,
+            reshard_after_forward=getattr(trainer_strategy, "reshard_after_forward", True))
+        log.info("FSDP2 sharded %s over %d ranks: %d units below the root",
+                 type(self.net).__name__, mesh.size(), len(self.shard_report.units))
+
+    def _same_units_on_every_rank(self, mesh: Any) -> None:
+        """Raise, instead of hanging in a collective, when the ranks wrapped the network
+        differently (e.g. a budget planned with measured times on each rank)."""
+        import torch.distributed as dist
+
+        from remat.sharding import shard_units
+
+        mine = shard_units(self.net, self.strategy_report)
+        every: list[Any] = [None] * mesh.size()
+        dist.all_gather_object(every, mine, group=mesh.get_group())
+        if any(units != mine for units in every):
+            raise StageError(
+                "trainer=fsdp: the ranks wrapped the network differently (FSDP units per "
+                f"rank: {every}); every rank must apply the same strategy and plan. With "
+                "strategy=budget strategy.calibrate=true plan once (python -m remat.plan) "
+                "and replay it with strategy=plan strategy.path=plan.json")
+
     def on_fit_start(self) -> None:
         self.strategy.preflight(self.net)  # e.g. SyncBatchNorm inside a recomputed unit
 

@@ -63,12 +63,15 @@ class CheckpointStrategy:
         measurable_on_cpu: ``MemTracker`` (a ``TorchDispatchMode``) sees the strategy's real
             behaviour; ``False`` where the work happens in compiled code that dynamo skips
             under a dispatch mode.
+        shardable: the wrapped network can then be sharded with FSDP2
+            (:func:`remat.sharding.shard`, ``trainer=fsdp``) and computes the same function.
     """
 
     name: str = "base"
     recomputes: bool = False
     traceable: bool = True
     measurable_on_cpu: bool = True
+    shardable: bool = True
 
     def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
         """Wrap the stages of ``model`` (dotted paths with globs) in place.

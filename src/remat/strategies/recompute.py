@@ -200,6 +200,34 @@ def refuse_sync_batchnorm(module: nn.Module, path: str) -> None:
                 "this stage out of model.stages, or use strategy=offload (no recompute)")
 
 
+def fsdp_unit(module: nn.Module) -> Any:
+    """The FSDP2 state of ``module`` if it is itself an FSDP unit (``fully_shard``), else
+    ``None`` (its parameters belong to an enclosing unit, or none)."""
+    get = getattr(module, "_get_fsdp_state", None)
+    return get() if get is not None else None
+
+
+def check_fsdp_segment(label: str, first: nn.Module, first_path: str, module: nn.Module,
+                       path: str) -> None:
+    """Raise if two blocks of one checkpointed segment are in different FSDP units.
+
+    In backward FSDP gathers a unit's parameters when the gradient reaches that unit's
+    output; a segment's recompute runs all its blocks as soon as the gradient reaches the
+    segment's last block, before the earlier blocks' units are gathered.
+
+    Raises:
+        StageError: names the segment and both blocks, and how to shard instead.
+    """
+    if fsdp_unit(module) is not fsdp_unit(first):
+        raise StageError(
+            f"segment '{label}' is recomputed as one unit, but its blocks '{first_path}' and "
+            f"'{path}' are in different FSDP units (fully_shard): FSDP would not have "
+            "gathered the earlier block's parameters when the recompute runs it. Apply the "
+            "strategy first and shard afterwards with remat.sharding.shard (one FSDP unit per "
+            "segment; trainer=fsdp does this), or use strategy=full or selective (one block "
+            "per segment)")
+
+
 @dataclass(eq=False)
 class UnitState:
     """Per-unit knowledge kept between calls (rebuilt after pickling): the buffers its
@@ -421,6 +449,7 @@ class Region:
             _ckpt._allowed_determinism_checks_to_fns[_ckpt._DEFAULT_DETERMINISM_MODE])
         self.segment = segment
         self.last_index = -1
+        self._first: tuple[nn.Module, str] | None = None  # its first block (FSDP check)
         self._outputs: list[list[tuple[weakref.ref, int] | None]] = []
         self._externals: dict[int, tuple[weakref.ref, int]] = {}
 
@@ -446,6 +475,10 @@ class Region:
     def call(self, module: nn.Module, wrap: Any, forward: Callable[..., Any], args: tuple,
              kwargs: dict) -> Any:
         """Run one call of a unit inside this region and record how to replay it."""
+        if self._first is None:
+            self._first = (module, wrap.path)
+        elif self._first[0] is not module:
+            check_fsdp_segment(self.tape.label, *self._first, module, wrap.path)
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         sources = [self._source(leaf) if isinstance(leaf, torch.Tensor) else ("c", leaf)

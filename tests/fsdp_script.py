@@ -1,0 +1,109 @@
+"""Run by tests/test_fsdp.py under ``torch.distributed.run`` (2 CPU processes, gloo):
+``trainer=fsdp`` (remat's FSDP2Strategy) with several checkpointing strategies.
+
+Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 \
+    tests/fsdp_script.py OUT_DIR CASE [CASE ...]
+
+CASE is ``strategy:accumulate:precision`` (e.g. ``sqrtn:2:bf16-mixed``). Each case trains
+the tiny GPT of :func:`make_module` for :data:`STEPS` optimizer steps on fixed token windows
+(batch :data:`PER_RANK` per rank, no shuffling) and each rank writes
+``OUT_DIR/<case>/rank<r>.pt``: the full (gathered) gradients right before every optimizer
+step, the losses, and the full parameters after the last step.
+:func:`run_case` with ``world_size=1`` is the single-process reference on the whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from remat.models import SequenceModule
+from remat.strategies import build_strategy
+
+STEPS = 3
+PER_RANK = 2
+WORLD = 2
+
+
+def make_module(strategy: str) -> SequenceModule:
+    """A 4-block GPT (width 16, no dropout: the ranks' dropout masks could not match one
+    process's), AdamW."""
+    torch.manual_seed(0)
+    return SequenceModule(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16,
+                          dropout=0.0, strategy=build_strategy(strategy),
+                          optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+
+
+def make_windows(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [{"tokens": torch.randint(0, 32, (17,), generator=g)} for _ in range(n)]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (gathered), or the tensor itself."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
+
+
+class Record(L.Callback):
+    """Full gradients before each optimizer step, losses, full parameters at the end."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self.losses: list[float] = []
+        self.params: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads.append({n: full(p.grad) for n, p in pl_module.named_parameters()})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.params = {n: full(p) for n, p in pl_module.named_parameters()}
+
+
+def run_case(case: str, world_size: int) -> dict[str, Any]:
+    """Train one case; ``world_size`` 2 under FSDP2 (inside torchrun), 1 on one process with
+    the whole batch (``WORLD * PER_RANK`` windows per micro-batch)."""
+    from remat.models.fsdp import FSDP2Strategy
+
+    strategy, accumulate, precision = case.split(":")
+    accumulate = int(accumulate)
+    record = Record()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size,
+        strategy=FSDP2Strategy() if world_size > 1 else "auto",
+        max_steps=STEPS, accumulate_grad_batches=accumulate, precision=precision,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[record], use_distributed_sampler=False)
+    windows = make_windows(WORLD * PER_RANK * accumulate * STEPS)
+    if world_size > 1:  # rank r gets windows r, r + 2, ...: each step's pair of batches is
+        # the reference's batch of WORLD * PER_RANK windows
+        sampler = DistributedSampler(windows, num_replicas=world_size,
+                                     rank=int(os.environ["RANK"]), shuffle=False)
+        loader = DataLoader(windows, batch_size=PER_RANK, sampler=sampler)
+    else:
+        loader = DataLoader(windows, batch_size=WORLD * PER_RANK, shuffle=False)
+    trainer.fit(make_module(strategy), train_dataloaders=loader)
+    return {"grads": record.grads, "losses": record.losses, "params": record.params}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for case in sys.argv[2:]:
+        result = run_case(case, WORLD)
+        rank = torch.distributed.get_rank()
+        folder = out / case.replace(":", "_")
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(result, folder / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

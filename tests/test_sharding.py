@@ -1,0 +1,92 @@
+"""remat.sharding: FSDP units from a strategy's report, the order strategy -> shard, and the
+error of the other order (one process, gloo, world size 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from remat.sharding import shard, shard_rows, shard_units, sharded_bytes
+from remat.strategies import StageError, build_strategy
+from tests.fsdp_script import make_module, make_windows
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    return torch.utils.data.default_collate(make_windows(2))
+
+
+@pytest.mark.parametrize("strategy,units", [
+    ("none", [["net.blocks.0"], ["net.blocks.1"], ["net.blocks.2"], ["net.blocks.3"]]),
+    ("full", [["net.blocks.0"], ["net.blocks.1"], ["net.blocks.2"], ["net.blocks.3"]]),
+    ("sqrtn", [["net.blocks.0", "net.blocks.1"], ["net.blocks.2", "net.blocks.3"]]),
+    ("selective", [["net.blocks.0"], ["net.blocks.1"], ["net.blocks.2"], ["net.blocks.3"]])])
+def test_shard_units_follow_the_strategy_segments(strategy, units):
+    module = make_module(strategy)
+    report = build_strategy(strategy).apply(module, ["net.blocks"])
+    assert shard_units(module, report) == units
+
+
+def test_a_plan_keeping_some_blocks_gives_them_units_of_their_own():
+    from remat.strategies import StrategyReport
+
+    module = make_module("none")
+    report = StrategyReport("plan", stages=["net.blocks"], segments={"net.blocks": [(1, 3)]})
+    assert shard_units(module, report) == [["net.blocks.0"], ["net.blocks.1", "net.blocks.2"],
+                                           ["net.blocks.3"]]
+
+
+def test_shard_after_the_strategy_trains_like_the_unsharded_model(mesh):
+    reference = make_module("sqrtn").train()
+    reference.training_loss(_batch()).backward()
+    module = make_module("sqrtn").train()
+    report = shard(module.net, mesh, module.strategy_report)
+    assert report.units == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]]
+    assert isinstance(module.net, FSDPModule) and isinstance(module.net.blocks[1], FSDPModule)
+    # one FSDP unit per segment: both blocks share the state
+    assert module.net.blocks[0]._get_fsdp_state() is module.net.blocks[1]._get_fsdp_state()
+    module.training_loss(_batch()).backward()
+    for (name, p), q in zip(module.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7,
+                                   msg=name)
+
+
+def test_sharding_block_by_block_under_a_segment_strategy_names_the_segment(mesh):
+    module = make_module("sqrtn").train()
+    for block in module.net.blocks:  # the other order: one unit per block
+        fully_shard(block, mesh=mesh)
+    fully_shard(module.net, mesh=mesh)
+    with pytest.raises(StageError, match=r"segment 'blocks\[0:2\]'.*'blocks.0' and 'blocks.1'"
+                                         r".*different FSDP units.*remat.sharding.shard"):
+        module.training_loss(_batch())
+
+
+def test_sharding_twice_is_refused(mesh):
+    module = make_module("full")
+    shard(module.net, mesh, module.strategy_report)
+    with pytest.raises(StageError, match="already sharded.*apply the strategy first"):
+        shard(module.net, mesh, module.strategy_report)
+
+
+def test_shard_rows_split_dim0_as_torch_chunk():
+    for rows in (0, 1, 5, 8, 33):
+        for world in (1, 2, 3, 4):
+            chunks = torch.arange(rows).chunk(world) if rows else ()
+            sizes = [len(c) for c in chunks] + [0] * (world - len(chunks))
+            assert [shard_rows(rows, world, r) for r in range(world)] == sizes
+    # a [5, 3] fp32 and a 0-d parameter (one row) on 2 ranks: rank 0 holds 3 rows and the
+    # scalar, rank 1 holds 2 rows
+    assert sharded_bytes([((5, 3), 4), ((), 4)], 2, 0) == 3 * 3 * 4 + 4
+    assert sharded_bytes([((5, 3), 4), ((), 4)], 2, 1) == 2 * 3 * 4

@@ -36,6 +36,17 @@ LOCK_NAME = ".lock"
 _held: dict[str, list[int]] = {}  # resolved folder -> [fd, claims]
 
 
+#: environment variables that give a process's rank when a launcher started it (torchrun,
+#: Lightning's subprocess launcher, SLURM); a non-zero one marks a secondary rank
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
+
+
+def secondary_rank() -> bool:
+    """This process is rank > 0 of a multi-process run (torchrun, Lightning's ``ddp`` or
+    ``fsdp`` launcher, SLURM tasks): it shares rank 0's run folder and does not lock it."""
+    return any(os.environ.get(name, "0") not in ("", "0") for name in RANK_VARIABLES)
+
+
 class RunDirInUse(RuntimeError):
     """The output folder is held by another live run (the message names it and the
     holder's pid and host)."""
@@ -45,6 +56,7 @@ def claim_run_dir(path: str | Path) -> Path:
     """Claim ``path`` for this process: create it if needed and lock ``path/.lock``.
 
     Returns the resolved folder. Claims by the same process are counted (release as often).
+    A secondary rank (:func:`secondary_rank`) joins rank 0's run: it takes no lock.
 
     Raises:
         RunDirInUse: another live process holds the folder; nothing was written into it.
@@ -55,7 +67,7 @@ def claim_run_dir(path: str | Path) -> Path:
         _held[key][1] += 1
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:  # pragma: no cover
+    if fcntl is None or secondary_rank():
         _held[key] = [-1, 1]
         return folder
     fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -120,8 +132,8 @@ def earlier_run(folder: str | Path) -> str | None:
 
 def _refuse_overwrite(config: DictConfig, path: str | None) -> None:
     """A new training run (no ``ckpt_path``) never writes over an earlier run's folder."""
-    if path is None or OmegaConf.select(config, "ckpt_path", default=None):
-        return
+    if path is None or OmegaConf.select(config, "ckpt_path", default=None) or secondary_rank():
+        return  # a secondary rank finds rank 0's files of this very run
     found = earlier_run(path)
     if found:
         release_run_dir(path)

@@ -215,10 +215,13 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
             "'strategies=[none,compile]')")
     accumulate = run_shape.normalize_size(cfg.get("accumulate_grad_batches", 1),
                                           "accumulate_grad_batches")
+    sharding = run_shape.sharding_of(cfg)
     start = time.perf_counter()
     try:
         strategy, peak = trace_step(build, batch_size, size, device, precision, fake,
-                                    accumulate_grad_batches=accumulate)
+                                    accumulate_grad_batches=accumulate,
+                                    world_size=sharding.world_size,
+                                    reshard_after_forward=sharding.reshard_after_forward)
     except RuntimeError as err:
         if "overflow" in str(err).lower():
             raise ValueError(f"estimate: {size_key}={size} with data.batch_size={batch_size} "
@@ -232,10 +235,14 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     seconds = time.perf_counter() - start
     fell_back = fake and device.type == "cpu" and str(cfg.get("device", "auto")) == "auto"
     note = f"tensor-level peak on {device.type}" + (f" ({_cuda_note()})" if fell_back else "")
+    if sharding.world_size > 1:
+        note += (f"; rank 0 of {sharding.world_size} FSDP2 ranks (ZeRO-"
+                 f"{3 if sharding.reshard_after_forward else 2}), batch per rank")
     return Estimate(strategy=strategy, precision=precision,
                     device=device.type, batch_size=batch_size, size=size, size_key=size_key,
                     peak_bytes=int(peak.peak_bytes), categories=peak.categories,
-                    seconds=seconds, fake=fake, note=note, accumulate_grad_batches=accumulate)
+                    seconds=seconds, fake=fake, note=note, accumulate_grad_batches=accumulate,
+                    world_size=sharding.world_size)
 
 
 def format_estimate(est: Estimate) -> str:
@@ -245,6 +252,7 @@ def format_estimate(est: Estimate) -> str:
              f"batch {est.batch_size}, {est.size_key}={est.size}, "
              + (f"accumulate_grad_batches={est.accumulate_grad_batches}, "
                 if est.accumulate_grad_batches > 1 else "")
+             + (f"one of {est.world_size} FSDP2 ranks, " if est.world_size > 1 else "")
              + f"device {est.device} ({est.seconds:.1f} s)"]
     for name, value in est.categories.items():
         if name != "total":
@@ -263,7 +271,8 @@ def run(cfg: DictConfig) -> Estimate:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     keep = {k: cfg[k] for k in ("model", "data", "strategy", "precision",
-                                "accumulate_grad_batches", "device") if k in cfg}
+                                "accumulate_grad_batches", "device", "world_size",
+                                "reshard_after_forward") if k in cfg}
     record = asdict(est) | {"config": OmegaConf.to_container(OmegaConf.create(keep),
                                                               resolve=False)}
     (out / "estimate.json").write_text(json.dumps(record, indent=2, default=str))

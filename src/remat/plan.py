@@ -85,8 +85,11 @@ def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
     """
     if isinstance(strategy, BudgetStrategy):
         build, batch_size, size, precision, accumulate = run_shape_of(cfg)
+        sharding = run_shape.sharding_of(cfg)
         return strategy.planned(build, batch_size, size, precision, accumulate,
-                                default_stages=list(cfg.model.get("stages") or []))
+                                default_stages=list(cfg.model.get("stages") or []),
+                                world_size=sharding.world_size,
+                                reshard_after_forward=sharding.reshard_after_forward)
     if isinstance(strategy, PlanStrategy):
         check_plan_fits(strategy.plan, cfg, strategy.path)
     return strategy
@@ -105,7 +108,8 @@ def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
               (shape.size_key or "size", plan_size, size),
               ("precision", plan.precision, str(cfg.get("precision"))),
               ("accumulate_grad_batches", plan.accumulate_grad_batches,
-               int(cfg.get("accumulate_grad_batches", 1) or 1)))
+               int(cfg.get("accumulate_grad_batches", 1) or 1)),
+              ("world_size", plan.world_size, run_shape.sharding_of(cfg).world_size))
     for key, planned, running in checks:
         if planned and running is not None and planned != running:
             raise ValueError(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
@@ -206,17 +210,31 @@ def write_frontier(points: list[Point], out: Path, title: str) -> None:
 
 
 def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str, Any]]:
-    """Plan every micro-batch dividing ``effective``; modelled samples/s of each."""
+    """Plan every micro-batch dividing ``effective / world_size`` (the samples one rank
+    sees per optimizer step); modelled samples/s of each.
+
+    Raises:
+        ValueError: ``world_size`` does not divide ``effective_batch_size`` (names both).
+    """
     rows = []
     build, _, size, precision, _ = run_shape_of(cfg)
-    for micro in [d for d in range(1, effective + 1) if effective % d == 0]:
-        accumulate = effective // micro
+    sharding = run_shape.sharding_of(cfg)
+    if effective % sharding.world_size:
+        raise ValueError(f"effective_batch_size={effective} is not a multiple of world_size="
+                         f"{sharding.world_size}: every rank trains the same number of "
+                         "samples per optimizer step (micro-batch x accumulate_grad_batches x "
+                         "world_size); pick an effective_batch_size divisible by world_size")
+    per_rank = effective // sharding.world_size
+    for micro in [d for d in range(1, per_rank + 1) if per_rank % d == 0]:
+        accumulate = per_rank // micro
         row: dict[str, Any] = {"micro_batch": micro, "accumulate_grad_batches": accumulate}
         try:
             planner = Planner(build, micro, size, precision, accumulate, device=cfg.device,
                               units=cfg.get("units"), margin=float(cfg.margin),
                               objective=str(cfg.get("objective", "time")),
-                              default_stages=list(cfg.model.get("stages") or []), key="")
+                              default_stages=list(cfg.model.get("stages") or []), key="",
+                              world_size=sharding.world_size,
+                              reshard_after_forward=sharding.reshard_after_forward)
             plan = planner.plan(memory).plan
         except InfeasibleBudget as err:
             row.update(fits=False, note=str(err).splitlines()[0])
@@ -239,15 +257,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     build, batch_size, size, precision, accumulate = run_shape_of(cfg)
+    sharding = run_shape.sharding_of(cfg)
     planner = Planner(build, batch_size, size, precision, accumulate, device=cfg.device,
                       units=cfg.get("units"), margin=float(cfg.margin),
                       max_traces=int(cfg.get("max_traces", 6)),
                       objective=str(cfg.get("objective", "time")),
                       default_stages=list(cfg.model.get("stages") or []),
-                      calibrate=bool(cfg.get("calibrate", False)), key="")
+                      calibrate=bool(cfg.get("calibrate", False)), key="",
+                      world_size=sharding.world_size,
+                      reshard_after_forward=sharding.reshard_after_forward)
     spec = planner.spec
     head = (f"plan for {planner.profile.model}, batch {batch_size}, size {size}, {precision}"
             + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
+            + (f", one of {sharding.world_size} FSDP2 ranks" if sharding.world_size > 1 else "")
             + f", on {spec.title} ({spec.name}; {spec.source})")
     print(head)
     result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes}

@@ -201,3 +201,46 @@ def resolve_device(device: Any = "auto") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name}: no CUDA driver on this machine; use device=cpu or auto")
     return dev
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a run shards its network: ``world_size`` FSDP2 ranks (1: not sharded) and
+    whether each unit's parameters are freed after its forward (ZeRO-3) or kept (ZeRO-2)."""
+
+    world_size: int = 1
+    reshard_after_forward: bool = True
+
+
+def sharding_of(cfg: Any) -> Sharding:
+    """The sharding of a composed config.
+
+    ``remat.estimate`` and ``remat.plan`` read their top-level ``world_size`` and
+    ``reshard_after_forward``; a training config (no ``world_size``) shards when
+    ``trainer.strategy`` is remat's ``FSDP2Strategy`` (``trainer=fsdp``), over
+    ``trainer.devices x trainer.num_nodes`` ranks.
+
+    Raises:
+        ValueError: ``world_size`` is not a positive integer, or ``trainer=fsdp`` with
+            ``trainer.devices`` that is not a number of processes (names the key).
+    """
+    if _get(cfg, "world_size") is not None:
+        world = normalize_size(_get(cfg, "world_size"), "world_size")
+        if not isinstance(world, int):
+            raise ValueError(f"world_size: expected a positive integer (ranks), got "
+                             f"{_get(cfg, 'world_size')!r}")
+        return Sharding(world, bool(_get(cfg, "reshard_after_forward")
+                                    if _get(cfg, "reshard_after_forward") is not None else True))
+    trainer = _get(cfg, "trainer")
+    strategy = _get(trainer, "strategy") if trainer is not None else None
+    target = str(_get(strategy, "_target_") or "") if isinstance(strategy, Mapping | DictConfig) \
+        else ""
+    if not target.endswith("FSDP2Strategy"):
+        return Sharding()
+    devices, nodes = _get(trainer, "devices"), _get(trainer, "num_nodes") or 1
+    if not _is_int(devices) or not _is_int(nodes) or int(devices) < 1 or int(nodes) < 1:
+        raise ValueError(f"trainer=fsdp: trainer.devices={devices!r} and trainer.num_nodes="
+                         f"{nodes!r} must be numbers of processes per node and of nodes, so "
+                         "the memory of one rank can be planned")
+    reshard = _get(strategy, "reshard_after_forward")
+    return Sharding(int(devices) * int(nodes), True if reshard is None else bool(reshard))

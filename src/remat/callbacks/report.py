@@ -68,6 +68,11 @@ class RunReport(L.Callback):
         if not getattr(pl_module.strategy, "traceable", True):
             return None, (f"strategy {pl_module.strategy.name} cannot be traced under "
                           "FakeTensorMode")
+        if getattr(pl_module, "shard_report", None) is not None:
+            world = pl_module.shard_report.world_size
+            return None, (f"the network is sharded by FSDP2 over {world} ranks; one rank's "
+                          f"peak is predicted by python -m remat.estimate ... world_size={world}"
+                          " (same model, data and strategy keys)")
         # The run's own module, copied with meta tensors: same network (also a ready `net`
         # that is not in the hyperparameters), strategy wrappers, vocabulary, tied weights.
         try:

@@ -37,7 +37,7 @@ class Estimate:
     ``optimizer_state``, ``activations``, ``temporaries``, ``other``, ``total``) in bytes,
     ``seconds`` wall time of the trace, ``device`` the device type estimated for, ``note``
     what the number means there, ``accumulate_grad_batches`` the batches per optimizer step
-    traced.
+    traced, ``world_size`` the FSDP2 ranks (the peak is rank 0's; 1: not sharded).
     """
 
     strategy: str
@@ -52,6 +52,7 @@ class Estimate:
     fake: bool = True
     note: str = ""
     accumulate_grad_batches: int = 1
+    world_size: int = 1
     torch_version: str = field(default_factory=lambda: torch.__version__)
 
 
@@ -162,7 +163,8 @@ def _step_flops(model: nn.Module, batch: dict[str, torch.Tensor],
 
 def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
             device: torch.device, precision: str, fake: bool = True,
-            accumulate_grad_batches: int = 1, count_flops: bool = False
+            accumulate_grad_batches: int = 1, count_flops: bool = False,
+            world_size: int = 1, rank: int = 0, reshard_after_forward: bool = True
             ) -> Callable[[], tuple[str, Any]]:
     """The work of :func:`trace_step`, to run in a child: build the model (``build()``, with
     strategy applied) and measure two optimizer steps; the largest peak of their batches is
@@ -193,8 +195,19 @@ def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[i
     With ``count_flops=True`` the first batch also runs under
     ``torch.utils.flop_counter.FlopCounterMode``; its FLOPs (forward, backward and any
     recompute, optimizer excluded) are set as ``step_flops`` on the returned peak.
+
+    With ``world_size > 1`` the step is ``rank``'s under FSDP2 (``trainer=fsdp``): the
+    network is sharded over ``world_size`` ranks with :func:`remat.sharding.shard` on a
+    fake process group (``torch.testing._internal.distributed.fake_pg``: collectives do
+    nothing, tensors keep their shapes), so the trace holds that rank's parameter, gradient
+    and optimizer-state shards and each FSDP unit's gathered parameters while it runs;
+    ``batch_size`` is the per-rank batch. Needs a process without a process group (the
+    forked child of :func:`trace_step` is one unless its parent had one).
     Returns ``(strategy name, PeakMemory)``.
     """
+    if world_size > 1:
+        build = _sharded_build(build, world_size, rank, reshard_after_forward, device)
+
     def run_seeded(model: nn.Module) -> tuple[str, Any]:
         model.train()
         optimizer = _optimizer(model)
@@ -218,15 +231,51 @@ def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[i
     return built_fn(build, run_seeded, device, fake)
 
 
+def _sharded_build(build: Callable[[], nn.Module], world_size: int, rank: int,
+                   reshard_after_forward: bool, device: torch.device
+                   ) -> Callable[[], nn.Module]:
+    """``build`` followed by FSDP2 sharding of its ``net`` on a fake process group of
+    ``world_size`` ranks, seen from ``rank`` (see :func:`step_fn`).
+
+    Raises:
+        RuntimeError: this process already has a process group.
+    """
+    def sharded() -> nn.Module:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from remat.sharding import shard
+
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a per-rank (world_size > 1) trace needs a process without a process group; "
+                "run it before torch.distributed is initialised, e.g. python -m "
+                "remat.estimate world_size=...")
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        model = build()
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the mesh holds a real tensor of rank ids
+            mesh = init_device_mesh(device_type=device.type, mesh_shape=(world_size,))
+        shard(model.net, mesh,
+              model.strategy_report, reshard_after_forward=reshard_after_forward)
+        return model  # the fake group lives until the (child) process ends
+
+    return sharded
+
+
 def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
                device: torch.device, precision: str, fake: bool = True,
-               accumulate_grad_batches: int = 1, count_flops: bool = False
+               accumulate_grad_batches: int = 1, count_flops: bool = False,
+               world_size: int = 1, rank: int = 0, reshard_after_forward: bool = True
                ) -> tuple[str, Any]:
     """Build the model (``build()``, with strategy applied) and measure two optimizer steps
-    in a child process; see :func:`step_fn` (what is measured, and why two steps).
-    Returns ``(strategy name, PeakMemory)``."""
+    in a child process; see :func:`step_fn` (what is measured, and why two steps; the step
+    of one FSDP2 rank with ``world_size > 1``). Returns ``(strategy name, PeakMemory)``."""
     return _in_child(step_fn(build, batch_size, size, device, precision, fake,
-                             accumulate_grad_batches, count_flops))
+                             accumulate_grad_batches, count_flops, world_size, rank,
+                             reshard_after_forward))
 
 
 def trace_steps(jobs: list[dict[str, Any]], parallel: int | None = None) -> list[Any]:

@@ -63,9 +63,11 @@ class BudgetStrategy(CheckpointStrategy):
 
     def planned(self, build: Callable[[CheckpointStrategy], nn.Module], batch_size: int,
                 size: Any, precision: str, accumulate_grad_batches: int = 1,
-                default_stages: Sequence[str] = ()) -> PlanStrategy:
+                default_stages: Sequence[str] = (), world_size: int = 1,
+                reshard_after_forward: bool = True) -> PlanStrategy:
         """Plan for this budget and return the strategy that applies the plan (its
-        ``planned`` attribute holds the :class:`~remat.planner.Planned` result).
+        ``planned`` attribute holds the :class:`~remat.planner.Planned` result). With
+        ``world_size > 1`` the budget is one FSDP2 rank's (``trainer=fsdp``).
 
         Raises:
             remat.planner.InfeasibleBudget: no plan fits (what would fit is in the message).
@@ -74,7 +76,8 @@ class BudgetStrategy(CheckpointStrategy):
                             device=self.spec, units=self.units, margin=self.margin,
                             max_traces=self.max_traces, objective=self.objective,
                             default_stages=default_stages, calibrate=self.calibrate,
-                            accumulate_grad_batches=accumulate_grad_batches)
+                            accumulate_grad_batches=accumulate_grad_batches,
+                            world_size=world_size, reshard_after_forward=reshard_after_forward)
         plan = planned.plan
         log.info("plan for %s on %s (%.1f s): predicted peak %s (none %s), recompute FLOPs "
                  "x%.3f of none, modelled step time x%.3f\n%s", format_bytes(self.budget_bytes),

@@ -52,6 +52,7 @@ class Plan:
         model: class name of the network; ``fingerprint``: hash of its parameter names and
             shapes (:func:`remat.planner.profile.fingerprint`).
         batch_size, size, precision, accumulate_grad_batches: the run shape planned for.
+        world_size: FSDP2 ranks planned for (1: not sharded); the peaks are one rank's.
         device: name of the device planned for; ``budget_bytes``: the budget.
         predicted_peak_bytes: traced (FakeTensorMode + MemTracker) peak of a training step
             with this plan; ``margin_bytes``: what was kept free for allocator temporaries.
@@ -69,6 +70,7 @@ class Plan:
     size: Any = None
     precision: str = "32-true"
     accumulate_grad_batches: int = 1
+    world_size: int = 1
     device: str = ""
     budget_bytes: int = 0
     predicted_peak_bytes: int = 0

@@ -115,10 +115,12 @@ class Planned:
 
 
 def _job(build: Builder, strategy: CheckpointStrategy, batch_size: int, size: Any,
-         precision: str, accumulate_grad_batches: int = 1) -> dict[str, Any]:
+         precision: str, accumulate_grad_batches: int = 1, world_size: int = 1,
+         reshard_after_forward: bool = True) -> dict[str, Any]:
     return {"build": lambda: build(strategy), "batch_size": batch_size, "size": size,
             "device": torch.device("cpu"), "precision": precision, "fake": True,
-            "accumulate_grad_batches": accumulate_grad_batches, "count_flops": True}
+            "accumulate_grad_batches": accumulate_grad_batches, "count_flops": True,
+            "world_size": world_size, "reshard_after_forward": reshard_after_forward}
 
 
 def _traced(result: tuple[str, Any]) -> Traced:
@@ -144,6 +146,10 @@ class Planner:
         default_stages: the model's own stages (the fixed strategies' reference plans).
         calibrate: replace the roofline times by times measured on the device present
             (:func:`~remat.planner.profile.calibrate_profile`; real tensors at full size).
+        world_size, reshard_after_forward: plan for one rank of an FSDP2 run
+            (``trainer=fsdp``): every trace is that rank's step (sharded parameters,
+            gradients and optimizer state, each unit gathered while it runs;
+            :func:`remat.measure.trace.step_fn`), ``batch_size`` is per rank.
 
     Raises:
         ValueError: bad ``margin`` or ``objective``; ``calibrate`` for a device other than
@@ -155,7 +161,8 @@ class Planner:
                  units: Sequence[str] | None = None, margin: float = 0.02,
                  max_traces: int = 6, max_segment: int | None = None,
                  objective: str = "time", default_stages: Sequence[str] = (),
-                 calibrate: bool = False, key: str = "strategy") -> None:
+                 calibrate: bool = False, key: str = "strategy", world_size: int = 1,
+                 reshard_after_forward: bool = True) -> None:
         self.key = key  # config prefix of memory/device/units in messages ("" for remat.plan)
         check_options(objective, margin, key)
         self.objective = objective
@@ -168,6 +175,7 @@ class Planner:
         self.margin = float(margin)
         self.max_traces = int(max_traces)
         self.max_segment = max_segment
+        self.world_size, self.reshard = int(world_size), bool(reshard_after_forward)
         self.cache: dict[str, Traced] = {}
         start = time.perf_counter()
         # the profile and the trace of none, side by side
@@ -175,7 +183,7 @@ class Planner:
             built_fn(lambda: build(NoCheckpoint()), profile_fn(
                 self.units_paths, self.spec, batch_size, size, precision), torch.device("cpu")),
             step_fn(**_job(build, NoCheckpoint(), batch_size, size, precision,
-                           accumulate_grad_batches))])
+                           accumulate_grad_batches, self.world_size, self.reshard))])
         self.profile: Profile = profile
         self.cache[repr(NoCheckpoint())] = _traced(none)
         if calibrate:
@@ -207,7 +215,8 @@ class Planner:
         todo = {k: s for k, s in zip(keys, strategies, strict=True) if k not in self.cache}
         if todo:
             results = trace_steps([_job(build or self.build, s, self.batch_size, self.size,
-                                        self.precision, self.accumulate)
+                                        self.precision, self.accumulate, self.world_size,
+                                        self.reshard)
                                    for s in todo.values()])
             for k, result in zip(todo, results, strict=True):
                 self.cache[k] = _traced(result)
@@ -255,7 +264,8 @@ class Planner:
         units = [UnitPlan(p, kinds[p], list(opt.segments)) for p, opt in choice.items()]
         plan = Plan(units=units, model=self.model_name, fingerprint=self.profile.fingerprint,
                     batch_size=self.batch_size, size=self.size, precision=self.precision,
-                    accumulate_grad_batches=self.accumulate, device=self.spec.name,
+                    accumulate_grad_batches=self.accumulate, world_size=self.world_size,
+                    device=self.spec.name,
                     none_peak_bytes=self.none.peak_bytes, step_flops=self.none.step_flops,
                     objective=self.objective)
         plan.predicted_overhead = 1.0 + self.modelled_time(plan) / max(

@@ -4,7 +4,9 @@
 Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 \
     tests/fsdp_script.py OUT_DIR CASE [CASE ...]
 
-CASE is ``strategy:accumulate:precision`` (e.g. ``sqrtn:2:bf16-mixed``). Each case trains
+CASE is ``strategy:accumulate:precision`` (e.g. ``sqrtn:2:bf16-mixed``), or
+``memory:strategy`` (the MemTracker peak of one real training step per rank of
+:func:`memory_module`, sharded as trainer=fsdp shards it; see :func:`measure_memory`). Each case trains
 the tiny GPT of :func:`make_module` for :data:`STEPS` optimizer steps on fixed token windows
 (batch :data:`PER_RANK` per rank, no shuffling) and each rank writes
 ``OUT_DIR/<case>/rank<r>.pt``: the full (gathered) gradients right before every optimizer
@@ -95,10 +97,44 @@ def run_case(case: str, world_size: int) -> dict[str, Any]:
     return {"grads": record.grads, "losses": record.losses, "params": record.params}
 
 
+def memory_module(strategy: str) -> SequenceModule:
+    """An 8-block GPT (width 256, 256 tokens) whose activations outweigh its parameters."""
+    torch.manual_seed(0)
+    return SequenceModule(vocab_size=256, block_size=256, n_layer=8, n_head=4, n_embd=256,
+                          dropout=0.0, strategy=build_strategy(strategy))
+
+
+MEMORY_BATCH = (4, 256)  # per-rank batch, tokens
+
+
+def measure_memory(strategy: str) -> dict[str, Any]:
+    """This rank's MemTracker peak (bytes, by category) over two real optimizer steps of
+    :func:`memory_module` sharded over the ranks (the steps ``remat.estimate`` traces)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from remat.measure.trace import step_fn
+    from remat.sharding import shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+    def build() -> SequenceModule:
+        module = memory_module(strategy)
+        shard(module.net, mesh, module.strategy_report)
+        return module
+
+    _, peak = step_fn(build, *MEMORY_BATCH, torch.device("cpu"), "32-true", fake=False)()
+    return {"peak_bytes": int(peak.peak_bytes), "categories": dict(peak.categories)}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
     for case in sys.argv[2:]:
-        result = run_case(case, WORLD)
+        if case.startswith("memory:"):
+            result = measure_memory(case.split(":", 1)[1])
+        else:
+            result = run_case(case, WORLD)
         rank = torch.distributed.get_rank()
         folder = out / case.replace(":", "_")
         folder.mkdir(parents=True, exist_ok=True)

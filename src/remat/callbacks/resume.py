@@ -58,6 +58,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
 
 
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gathered(state: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's ``state`` (a collective: Lightning builds the checkpoint on all ranks),
+    or None on one process."""
+    _, world = _rank_and_world()
+    if world == 1:
+        return None
+    every: list[Any] = [None] * world
+    torch.distributed.all_gather_object(every, state)
+    return every
+
+
 class _ResumableSampler(Sampler):
     """Wraps the sampler inside a train loader's ``BatchSampler``: at the start of each pass
     it records the loader generator's state (before the epoch permutation is drawn from it)
@@ -233,6 +251,9 @@ class ResumeState(L.Callback):
     # --- checkpoint state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": rng_state()}
+        ranks = _gathered(state["rng"])
+        if ranks is not None:  # every rank's RNG (dropout masks differ by rank)
+            state["rng_per_rank"] = ranks
         trainer, sampler = self._trainer, self._sampler
         if trainer is None or sampler is None:
             return state
@@ -253,4 +274,13 @@ class ResumeState(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._rng = state_dict.get("rng")
+        ranks = state_dict.get("rng_per_rank")
+        if ranks:
+            rank, world = _rank_and_world()
+            if world == len(ranks):
+                self._rng = ranks[rank]
+            else:
+                rank_zero_warn(f"the checkpoint holds the RNG of {len(ranks)} ranks, this run "
+                               f"has {world}: every rank starts from rank 0's RNG, so random "
+                               "draws (dropout masks) differ from an uninterrupted run")
         self._pending = state_dict.get("loader")

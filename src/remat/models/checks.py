@@ -123,6 +123,52 @@ def _channels_hint(datamodule: Any, wanted: int) -> str:
     return f" (data.image_mode={mode}); set model.in_channels={served}{other}"
 
 
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """``path`` is a sharded checkpoint folder (torch.distributed.checkpoint, written by
+    ``trainer=fsdp`` with ``save_distributed_checkpoint: true``)."""
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def _read_sharded(path: Path, ckpt_path: str | Path) -> dict[str, Any]:
+    """A sharded checkpoint's ``meta.pt`` (everything but weights and optimizer state),
+    with ``state_dict`` as ``meta`` tensors of the saved full shapes (from the shards'
+    ``.metadata``; nothing is loaded)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = path / "meta.pt"
+    try:
+        ckpt = torch.load(meta, map_location="cpu", weights_only=True) if meta.is_file() else {}
+        entries = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as err:  # corrupt shards or metadata
+        raise ValueError(f"ckpt_path={ckpt_path} could not be read as a sharded checkpoint: "
+                         f"{err}") from err
+    prefix = "state_dict."
+    ckpt["state_dict"] = {
+        key[len(prefix):]: torch.empty(tuple(entry.size), dtype=entry.properties.dtype,
+                                       device="meta")
+        for key, entry in entries.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    return ckpt
+
+
+def check_sharded_resume(ckpt_path: str | Path | None, sharded_trainer: bool) -> None:
+    """Refuse a sharded checkpoint for a run that does not shard, saying what to do.
+
+    Raises:
+        ValueError: names ``ckpt_path`` and the two ways to resume it.
+    """
+    if ckpt_path is None or sharded_trainer or not is_sharded_checkpoint(ckpt_path):
+        return
+    raise ValueError(
+        f"ckpt_path={ckpt_path} is a sharded checkpoint (one shard per rank, written by "
+        "trainer=fsdp with save_distributed_checkpoint: true), and this run does not shard. "
+        "Resume it with trainer=fsdp on any number of processes (trainer.devices=1 for one; "
+        "the shards are redistributed), or save full checkpoints "
+        "(trainer.strategy.save_distributed_checkpoint=false), which any trainer resumes")
+
+
 def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     """Read a Lightning checkpoint (on CPU) with ``torch.load(weights_only=True)`` and check
     it is one.
@@ -131,12 +177,17 @@ def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     run code when it is read; remat's checkpoints hold nothing else (hyper-parameters are
     plain dicts, lists and scalars).
 
+    A sharded checkpoint folder (``trainer=fsdp``) is read from its ``meta.pt`` and shard
+    metadata: ``state_dict`` then holds ``meta`` tensors of the saved shapes.
+
     Raises:
         FileNotFoundError: ``ckpt_path`` does not exist.
         ValueError: the file is not a torch file, holds objects ``weights_only`` refuses (the
             message keeps torch's note of which), or has no ``state_dict`` entry.
     """
     path = Path(ckpt_path)
+    if is_sharded_checkpoint(path):
+        return _read_sharded(path, ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file (expected a Lightning "
                                 "checkpoint such as <run dir>/checkpoints/last.ckpt)")

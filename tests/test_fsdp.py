@@ -36,7 +36,8 @@ def runs(tmp_path_factory):
     log = open(out / "log.txt", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(SCRIPT), str(out), *MEMORY, *CASES], env=_env(), stdout=log, stderr=subprocess.STDOUT)
+         "2", str(SCRIPT), str(out), *MEMORY, *CASES], env=_env(), stdout=log,
+        stderr=subprocess.STDOUT)
     try:
         torch.manual_seed(0)
         references = {c: run_case(c, world_size=1)

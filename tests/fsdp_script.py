@@ -7,8 +7,8 @@ Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 \
 CASE is ``strategy:accumulate:precision`` (e.g. ``sqrtn:2:bf16-mixed``), or
 ``memory:strategy`` (the MemTracker peak of one real training step per rank of
 :func:`memory_module`, sharded as trainer=fsdp shards it; see :func:`measure_memory`).
-Each training case trains the tiny GPT of :func:`make_module` for :data:`STEPS` optimizer steps on fixed token windows
-(batch :data:`PER_RANK` per rank, no shuffling) and each rank writes
+Each training case trains the tiny GPT of :func:`make_module` for :data:`STEPS` optimizer
+steps on fixed token windows (batch :data:`PER_RANK` per rank, no shuffling) and each rank writes
 ``OUT_DIR/<case>/rank<r>.pt``: the full (gathered) gradients right before every optimizer
 step, the losses, and the full parameters after the last step.
 :func:`run_case` with ``world_size=1`` is the single-process reference on the whole batch.

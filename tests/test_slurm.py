@@ -1,0 +1,81 @@
+"""+cluster=slurm: Hydra's submitit launcher sets the trainer's nodes and devices, and the
+sbatch script submitit writes from it asks SLURM for one task per GPU on every node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from remat.callbacks.run_dir import secondary_rank
+from remat.run_shape import sharding_of
+from tests.helpers import compose_train
+
+OVERRIDES = ["+cluster=slurm", "trainer=fsdp", "hydra.launcher.nodes=2",
+             "hydra.launcher.tasks_per_node=4", "hydra.launcher.partition=gpu"]
+
+
+def test_trainer_nodes_and_devices_follow_the_launcher(tmp_path):
+    cfg = compose_train(tmp_path, OVERRIDES)
+    assert cfg.trainer.num_nodes == 2 and cfg.trainer.devices == 4
+    assert cfg.trainer.accelerator == "gpu"
+    assert cfg.hydra.launcher.gpus_per_node == 4
+    assert str(cfg.hydra.launcher._target_).endswith("SlurmLauncher")
+    assert sharding_of(cfg).world_size == 8  # per-rank planning sees all 8 ranks
+
+
+def test_sbatch_script_from_the_launcher_config(tmp_path, monkeypatch):
+    """submitit needs ``srun`` on PATH to build its executor; a stand-in is enough to write
+    the script (nothing is submitted)."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    cfg = compose_train(tmp_path / "run", OVERRIDES)
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    params.pop("_target_")
+    launcher = SlurmLauncher(**params)
+    # the executor as the launcher builds it (hydra_submitit_launcher.launch)
+    executor = submitit.AutoExecutor(cluster="slurm", folder=str(tmp_path / "submitit"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(**{k if k in base else f"slurm_{k}": v
+                                  for k, v in launcher.params.items()
+                                  if k not in ("submitit_folder", "max_num_timeout")})
+    script = executor._executor._make_submission_file_text("python -u -m submitit.core._submit "
+                                                           "JOB", "uid")
+    lines = set(script.splitlines())
+    for expected in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
+                     "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=8",
+                     "#SBATCH --partition=gpu", "#SBATCH --time=1440",
+                     "#SBATCH --signal=USR2@120"):
+        assert expected in lines, script
+    assert any(line.startswith("srun ") and line.endswith("submitit.core._submit JOB")
+               for line in lines), script
+
+
+@pytest.mark.parametrize("env,secondary", [
+    ({}, False),
+    ({"SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, False),
+    ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1"}, True),
+    ({"RANK": "1", "LOCAL_RANK": "1"}, True),
+    ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, True)])
+def test_ranks_above_zero_share_rank_zeros_run_folder(monkeypatch, tmp_path, env, secondary):
+    from remat.callbacks.run_dir import RANK_VARIABLES, claim_run_dir, release_run_dir
+
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert secondary_rank() is secondary
+    folder: Path = claim_run_dir(tmp_path / "run")
+    try:
+        # a secondary rank takes no lock, so rank 0 (another process) keeps holding it
+        assert (folder / ".lock").exists() is not secondary
+    finally:
+        release_run_dir(folder)

@@ -53,6 +53,8 @@ def _words(command: str) -> list[str]:
 
 def _app_and_args(command: str) -> tuple[str, list[str]] | None:
     words = _words(command)
+    if words[:3] == ["python", "-m", "torch.distributed.run"] and "-m" in words[3:]:
+        words = ["python", *words[words.index("-m", 3):]]  # torchrun options dropped
     if words[:1] == ["python"]:
         words = words[2:] if words[1:2] == ["-m"] else words[1:]
     if not words or words[0] not in APPS:

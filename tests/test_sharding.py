@@ -90,3 +90,58 @@ def test_shard_rows_split_dim0_as_torch_chunk():
     # scalar, rank 1 holds 2 rows
     assert sharded_bytes([((5, 3), 4), ((), 4)], 2, 0) == 3 * 3 * 4 + 4
     assert sharded_bytes([((5, 3), 4), ((), 4)], 2, 1) == 2 * 3 * 4
+
+
+def test_sharding_of_reads_world_size_or_the_fsdp_trainer(tmp_path):
+    from omegaconf import OmegaConf
+
+    from remat.run_shape import Sharding, sharding_of
+    from tests.helpers import compose_train
+
+    assert sharding_of(compose_train(tmp_path / "a", [])) == Sharding(1, True)
+    cfg = compose_train(tmp_path / "b", ["trainer=fsdp", "trainer.devices=4",
+                                         "trainer.num_nodes=2",
+                                         "trainer.strategy.reshard_after_forward=false"])
+    assert sharding_of(cfg) == Sharding(8, False)
+    assert sharding_of(OmegaConf.create({"world_size": 3})) == Sharding(3, True)
+    with pytest.raises(ValueError, match="world_size"):
+        sharding_of(OmegaConf.create({"world_size": 0}))
+    cfg = compose_train(tmp_path / "c", ["trainer=fsdp", "trainer.devices=auto"])
+    with pytest.raises(ValueError, match=r"trainer=fsdp: trainer.devices='auto'"):
+        sharding_of(cfg)
+
+
+def test_effective_batch_not_divisible_by_world_size_names_both_keys(tmp_path):
+    from remat.plan import micro_batches
+    from tests.helpers import compose_app
+
+    cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "world_size=4"])
+    with pytest.raises(ValueError, match=r"effective_batch_size=6 is not a multiple of "
+                                         r"world_size=4"):
+        micro_batches(cfg, "1GiB", 6)
+
+
+def test_bench_fsdp_needs_a_multi_process_launch(tmp_path, monkeypatch):
+    from remat.bench import bench
+    from tests.helpers import compose_app
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = compose_app("bench", tmp_path, ["model=gpt_tiny", "fsdp=true"])
+    with pytest.raises(ValueError, match=r"torch.distributed.run --nproc-per-node 2 -m "
+                                         r"remat.bench fsdp=true"):
+        bench(cfg)
+
+
+def test_a_strategy_that_says_it_cannot_be_sharded_is_refused_naming_both_keys(mesh):
+    """configure_model under Lightning's ModelParallelStrategy (the trainer=fsdp path)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module = make_module("full")
+    module.strategy.shardable = False
+    trainer = SimpleNamespace(strategy=ModelParallelStrategy.__new__(ModelParallelStrategy))
+    module._trainer = trainer
+    with pytest.raises(StageError, match="trainer=fsdp cannot shard a network under "
+                                         "strategy=full"):
+        module.configure_model()

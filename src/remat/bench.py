@@ -65,6 +65,7 @@ from remat.measure import (
     training_step,
 )
 from remat.models.hf import is_hf_model
+from remat.sharding import shard
 from remat.strategies import (
     CheckpointStrategy,
     StageError,
@@ -252,18 +253,23 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
              device: torch.device, precision: str, warmup: int, steps: int, seed: int,
              slot: DeviceSlot, compile_backend: str | None = None,
              reference_grads: dict[str, torch.Tensor] | None = None,
-             notes: list[str] | None = None,
+             notes: list[str] | None = None, mesh: Any = None,
              ) -> tuple[list[BenchRow], dict[str, dict[str, torch.Tensor]]]:
     """One group of interleaved rows (all eager, or all compiled with ``compile_backend``).
 
     Returns the rows and each row's gradients (on ``slot.home``). Gradients are compared
     with ``reference_grads`` (default: this group's ``none``). A compiled row whose first
     step fails is left out with a note in ``notes``; an eager row's error propagates.
+    With a device ``mesh`` (``fsdp=true``, one process per rank) every row's network is
+    sharded with FSDP2 after its strategy (:func:`remat.sharding.shard`); gradients are
+    compared gathered, and a row's peak is the highest of the ranks' peaks.
     """
     models: dict[str, L.LightningModule] = {}
     for name, strategy in strategies.items():
         model = copy.deepcopy(base).to(slot.home).train()
-        strategy.apply(model.net, list(stages))
+        report = strategy.apply(model.net, list(stages))
+        if mesh is not None:
+            shard(model.net, mesh, report)
         if compile_backend is not None:  # in place: parameter names unchanged
             model.net.compile(backend=strategy.backend_for(compile_backend)
                               if isinstance(strategy, TorchCompileMemoryBudget)
@@ -291,7 +297,7 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
                 notes.append(f"{name} compiled ({compile_backend}) left out: "
                              f"{_first_line(err)}")
             continue
-        grads[name] = slot.keep({n: p.grad for n, p in model.named_parameters()
+        grads[name] = slot.keep({n: _full(p.grad) for n, p in model.named_parameters()
                                  if p.grad is not None})
         model.zero_grad(set_to_none=True)
     peaks, methods = {}, {}
@@ -302,6 +308,11 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
         with meter() as peak:
             _step(model, batch, device, precision)
         peaks[name] = peak
+        if mesh is not None:  # the rank that needs the most is the one that must fit
+            every: list[Any] = [None] * mesh.size()
+            torch.distributed.all_gather_object(every, int(peak.peak_bytes),
+                                                group=mesh.get_group())
+            peak.peak_bytes = max(every)
         model.zero_grad(set_to_none=True)
     timers = {name: StepTimer(device, warmup=warmup) for name in models}
     for _ in range(warmup + steps):
@@ -330,6 +341,45 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
         if row.flops is not None and ref_row.flops:
             row.flops_ratio = row.flops / ref_row.flops
     return rows, grads
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) gradient gathered; a plain one as it is."""
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def _is_budget(spec: Any) -> bool:
+    name = spec if isinstance(spec, str) else (spec.get("name") if hasattr(spec, "get") else None)
+    return name == "budget"
+
+
+def _fsdp_mesh(cfg: DictConfig, device: torch.device) -> Any:
+    """The 1-D mesh of all ranks for ``fsdp=true`` (the process group initialised from the
+    launcher's environment), or None.
+
+    Raises:
+        ValueError: ``fsdp=true`` outside a multi-process launch, or with rows it does not
+            measure (``compiled``, ``budget``).
+    """
+    if not cfg.get("fsdp", False):
+        return None
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("bench fsdp=true measures each rank in its own process: launch it "
+                         "with python -m torch.distributed.run --nproc-per-node 2 -m "
+                         "remat.bench fsdp=true ...")
+    if cfg.get("compiled", False):
+        raise ValueError("bench fsdp=true measures eager rows only: set compiled=false")
+    if any(_is_budget(s) for s in cfg.strategies):
+        raise ValueError("bench fsdp=true: budget rows are planned per rank by "
+                         "python -m remat.plan world_size=...; list fixed strategies here")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
+    return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 def run_benchmark(base: L.LightningModule, stages: Sequence[str],
@@ -713,9 +763,14 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     if compiled and "none" not in compile_runs:
         raise ValueError(f"bench: compile_strategies must include 'none' (the compiled "
                          f"reference), got {list(compile_runs)}")
+    mesh = _fsdp_mesh(cfg, device)
+    primary = mesh is None or torch.distributed.get_rank() == 0
     slot = DeviceSlot(device)
     rows: list[BenchRow] = []
     notes: list[str] = []
+    if mesh is not None:
+        notes.append(f"FSDP2 over {mesh.size()} ranks (one process each), data.batch_size per "
+                     "rank; peak: the highest rank's; gradients compared gathered")
     for size in sizes:
         L.seed_everything(cfg.seed, workers=False)
         run_cfg = copy.deepcopy(cfg)  # this size in data.*, so ${data...} in the model follow
@@ -730,7 +785,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                         list(cfg.model.stages), f"size {size}", notes)
         size_compile_runs = _planned(compile_runs, model_cfg, batch_size, size, precision,
                                      list(cfg.model.stages), f"size {size}, compiled", notes)
-        if cfg.get("reference_points", True):
+        if cfg.get("reference_points", True) and mesh is None:
             references, skipped = reference_rows(base, list(cfg.model.stages))
             runs.update(references)
             for note in skipped:
@@ -740,7 +795,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         batch = {k: v.to(device)
                  for k, v in base.example_batch(batch_size, size, generator).items()}
         args = (precision, int(cfg.warmup), int(cfg.steps), int(cfg.seed), slot)
-        size_rows, grads = _measure(base, list(cfg.model.stages), runs, batch, device, *args)
+        size_rows, grads = _measure(base, list(cfg.model.stages), runs, batch, device, *args,
+                                    mesh=mesh)
         if size_compile_runs:
             size_notes: list[str] = []
             compiled_rows, _ = _measure(base, list(cfg.model.stages), size_compile_runs, batch,
@@ -754,7 +810,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         for row in size_rows:
             row.size = size
         rows.extend(size_rows)
-        print(format_table(size_rows), flush=True)  # progress: one size at a time
+        if primary:
+            print(format_table(size_rows), flush=True)  # progress: one size at a time
         del base, batch
     model_name = cfg.model._target_.rsplit(".", 1)[-1]
     record = {
@@ -765,8 +822,11 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         "warmup": int(cfg.warmup), "steps": int(cfg.steps),
         "compiled": compiled, "compile_backend": backend if compiled else None,
         "one_model_on_device": slot.swap, "notes": notes,
+        "fsdp_world_size": mesh.size() if mesh is not None else None,
         "rows": [asdict(r) for r in rows],
     }
+    if not primary:
+        return record  # rank 0 writes and prints
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(record, indent=2))

@@ -99,11 +99,12 @@ class StrategyModule(L.LightningModule):
                     "tensor_parallel_size=1")
             mesh = mesh["data_parallel"]
         self._same_units_on_every_rank(mesh)
+        name = type(self.net).__name__  # before fully_shard renames the class FSDP<name>
         self.shard_report = shard(
             self.net, mesh, self.strategy_report,
             reshard_after_forward=getattr(trainer_strategy, "reshard_after_forward", True))
-        log.info("FSDP2 sharded %s over %d ranks: %d units below the root",
-                 type(self.net).__name__, mesh.size(), len(self.shard_report.units))
+        log.info("FSDP2 sharded %s over %d ranks: %d units below the root", name,
+                 mesh.size(), len(self.shard_report.units))
 
     def _same_units_on_every_rank(self, mesh: Any) -> None:
         """Raise, instead of hanging in a collective, when the ranks wrapped the network

@@ -4,7 +4,9 @@
 Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 \
     tests/fsdp_script.py OUT_DIR CASE [CASE ...]
 
-CASE is ``strategy:accumulate:precision`` (e.g. ``sqrtn:2:bf16-mixed``), or
+CASE is ``strategy:accumulate:precision`` (e.g. ``sqrtn:2:bf16-mixed``), ``bn:strategy``
+(the conv-BatchNorm net of :class:`ConvBN`, whose per-rank running statistics are recorded
+too), or
 ``memory:strategy`` (the MemTracker peak of one real training step per rank of
 :func:`memory_module`, sharded as trainer=fsdp shards it; see :func:`measure_memory`).
 Each training case trains the tiny GPT of :func:`make_module` for :data:`STEPS` optimizer
@@ -22,11 +24,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from collections import OrderedDict
+
 import lightning as L
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from remat.models import SequenceModule
+from remat.models.base import StrategyModule
 from remat.strategies import build_strategy
 
 STEPS = 3
@@ -41,6 +48,55 @@ def make_module(strategy: str) -> SequenceModule:
     return SequenceModule(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16,
                           dropout=0.0, strategy=build_strategy(strategy),
                           optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+
+
+class ConvBN(StrategyModule):
+    """4 conv-BN-ReLU blocks (8 channels, 8x8 px) in the chain ``blocks``, MSE to a target."""
+
+    def __init__(self, strategy: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1),
+                                               nn.BatchNorm2d(8), nn.ReLU())
+                                 for _ in range(4)])
+        self.wrap_net(nn.Sequential(OrderedDict(stem=nn.Conv2d(1, 8, 1), blocks=blocks,
+                                                head=nn.Conv2d(8, 1, 1))),
+                      ["blocks"], build_strategy(strategy))
+
+    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(self.net(batch["image"]), batch["target"])
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.training_loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def make_images(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [{"image": torch.randn(1, 8, 8, generator=g),
+             "target": torch.randn(1, 8, 8, generator=g)} for _ in range(n)]
+
+
+def run_bn_case(strategy: str) -> dict[str, Any]:
+    """:class:`ConvBN` under FSDP2 for :data:`STEPS` steps; this rank's BatchNorm running
+    statistics and the full gradients."""
+    from remat.models.fsdp import FSDP2Strategy
+
+    record = Record()
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=FSDP2Strategy(),
+                        max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[record], use_distributed_sampler=False)
+    images = make_images(WORLD * PER_RANK * STEPS)
+    sampler = DistributedSampler(images, num_replicas=WORLD, rank=int(os.environ["RANK"]),
+                                 shuffle=False)
+    module = ConvBN(strategy)
+    trainer.fit(module, train_dataloaders=DataLoader(images, batch_size=PER_RANK,
+                                                     sampler=sampler))
+    stats = {n: b.detach().clone() for n, b in module.named_buffers()}
+    return {"grads": record.grads, "params": record.params, "buffers": stats}
 
 
 def make_windows(n: int) -> list[dict[str, torch.Tensor]]:
@@ -133,6 +189,8 @@ def main() -> None:
     for case in sys.argv[2:]:
         if case.startswith("memory:"):
             result = measure_memory(case.split(":", 1)[1])
+        elif case.startswith("bn:"):
+            result = run_bn_case(case.split(":", 1)[1])
         else:
             result = run_case(case, WORLD)
         rank = torch.distributed.get_rank()

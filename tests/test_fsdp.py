@@ -22,6 +22,7 @@ STRATEGIES = ["none", "full", "sqrtn", "every_k", "selective", "offload", "compi
 CASES = [f"{s}:{a}:{p}" for s in STRATEGIES
          for a, p in ((1, "32-true"), (2, "32-true"), (1, "bf16-mixed"))]
 MEMORY = ["memory:none", "memory:sqrtn", "memory:selective"]
+NORMS = ["bn:none", "bn:full", "bn:sqrtn", "bn:selective", "bn:offload"]
 
 
 def _env() -> dict[str, str]:
@@ -36,7 +37,7 @@ def runs(tmp_path_factory):
     log = open(out / "log.txt", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(SCRIPT), str(out), *MEMORY, *CASES], env=_env(), stdout=log,
+         "2", str(SCRIPT), str(out), *MEMORY, *NORMS, *CASES], env=_env(), stdout=log,
         stderr=subprocess.STDOUT)
     try:
         torch.manual_seed(0)
@@ -49,7 +50,7 @@ def runs(tmp_path_factory):
         log.close()
     assert proc.returncode == 0, (out / "log.txt").read_text()[-4000:]
     results = {c: [torch.load(out / c.replace(":", "_") / f"rank{r}.pt") for r in (0, 1)]
-               for c in CASES + MEMORY}
+               for c in CASES + MEMORY + NORMS}
     return results, references
 
 
@@ -111,3 +112,26 @@ def test_per_rank_estimate_equals_memtracker_on_each_rank_of_a_real_run(runs, ca
     assert peak.categories["optimizer_state"] * 2 == pytest.approx(
         unsharded.categories["optimizer_state"], rel=1e-4)
     assert peak.peak_bytes < unsharded.peak_bytes
+
+
+@pytest.mark.parametrize("case", NORMS[1:])
+def test_fsdp_batchnorm_statistics_and_gradients_equal_none(runs, case):
+    """Each rank normalises its own half of the batch (no SyncBatchNorm), so the reference
+    is FSDP `none`: a recomputing strategy must update every rank's running statistics once
+    per forward, exactly as `none` does, and give its gradients."""
+    results, _ = runs
+    base = results["bn:none"]
+    for rank in (0, 1):
+        ours = results[case][rank]
+        assert ours["buffers"].keys() == base[rank]["buffers"].keys()
+        assert any("running_mean" in k for k in ours["buffers"])
+        for key, value in base[rank]["buffers"].items():
+            assert torch.equal(ours["buffers"][key], value), (rank, key)
+        for step in range(STEPS):
+            for key, grad in base[rank]["grads"][step].items():
+                assert torch.equal(ours["grads"][step][key], grad), (rank, step, key)
+    # the ranks saw different halves: their statistics differ, their parameters do not
+    assert not torch.equal(base[0]["buffers"]["net.blocks.0.1.running_mean"],
+                           base[1]["buffers"]["net.blocks.0.1.running_mean"])
+    for key, value in base[0]["params"].items():
+        assert torch.equal(value, base[1]["params"][key]), key

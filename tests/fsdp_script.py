@@ -21,10 +21,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
-
-from collections import OrderedDict
 
 import lightning as L
 import torch

@@ -129,8 +129,9 @@ class LastCheckpoint(Checkpoint):
             return  # nothing trained in this fit (a resume at the end): last.ckpt stays as it is
         trainer.save_checkpoint(self.path)
         self._saved_at, self.saved_step = key, trainer.global_step
-        log.info("wrote %s (epoch %d, global step %d, %s)", self.path, trainer.current_epoch,
-                 trainer.global_step, where)
+        if trainer.is_global_zero:  # every rank takes part; one line in the log
+            log.info("wrote %s (epoch %d, global step %d, %s)", self.path,
+                     trainer.current_epoch, trainer.global_step, where)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trained = False

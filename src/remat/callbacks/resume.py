@@ -211,10 +211,12 @@ class ResumeState(L.Callback):
         trainer = self._trainer
         now = {"data.batch_size": batch_size,
                "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
-               "samples per epoch": self._epoch_samples()}
+               "samples per epoch": self._epoch_samples(),
+               "ranks": getattr(trainer, "world_size", None)}
         then = {"data.batch_size": pending.get("batch_size"),
                 "accumulate_grad_batches": pending.get("accumulate_grad_batches"),
-                "samples per epoch": pending.get("epoch_samples")}
+                "samples per epoch": pending.get("epoch_samples"),
+                "ranks": pending.get("world_size")}
         changed = [f"{k} {then[k]} -> {now[k]}" for k in now
                    if then[k] is not None and now[k] is not None and then[k] != now[k]]
         if changed:
@@ -260,7 +262,8 @@ class ResumeState(L.Callback):
         progress = trainer.fit_loop.epoch_loop.batch_progress
         served = int(progress.current.ready)
         shape = {"batch_size": self._batch_size, "epoch_samples": self._epoch_samples(),
-                 "accumulate_grad_batches": trainer.accumulate_grad_batches}
+                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                 "world_size": trainer.world_size}
         if progress.is_last_batch or served >= trainer.num_training_batches or served == 0:
             # between epochs: the next epoch's pass starts from the generator as it is now
             generator = sampler.generator

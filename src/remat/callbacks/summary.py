@@ -293,7 +293,8 @@ class RunSummary(L.Callback):
                 write_json(self.path, earlier)
             return
         self.write(trainer, pl_module, "completed")
-        log.info("summary written to %s", self.path)
+        if trainer.is_global_zero:  # the other ranks build it but do not write it
+            log.info("summary written to %s", self.path)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:

@@ -8,13 +8,16 @@ Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 \
 Runs (tiny GPT with dropout on tinyshakespeare, 3 batches per epoch):
 ``straight``: 2 epochs in one go; ``first``: epoch 1 only, sharded ``last.ckpt``;
 ``resumed``: ``first``'s folder resumed from its ``last.ckpt`` to epoch 2;
-``full``: epoch 1 with a full (gathered, one file) ``last.ckpt``.
+``full``: epoch 1 with a full (gathered, one file) ``last.ckpt``; ``signalled``: SIGTERM sent
+to rank 0 only during step 2 (both ranks must checkpoint and stop).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import torch
 
 from remat.train import train
 from tests.helpers import compose_train
@@ -36,6 +39,9 @@ RUNS = {
     "first": (1, []),
     "resumed": (2, ["ckpt_path={out}/first/checkpoints/last.ckpt"]),
     "full": (1, ["trainer.strategy.save_distributed_checkpoint=false"]),
+    # SIGTERM reaches rank 0 alone (as `kill <pid>` sends it), before optimizer step 2
+    "signalled": (1, ["+callbacks.signal._target_=tests.helpers.SignalAtStep",
+                      "+callbacks.signal.step=1", "+callbacks.signal.rank=0"]),
 }
 
 
@@ -45,7 +51,10 @@ def main() -> None:
         folder = out / ("first" if name == "resumed" else name)
         cfg = compose_train(folder, overrides(data_root, epochs,
                                               *(e.format(out=out) for e in extra)))
-        train(cfg)
+        try:
+            train(cfg)
+        except SystemExit as stop:  # the signalled run: 128 + SIGTERM, on every rank
+            (folder / f"exit_rank{torch.distributed.get_rank()}").write_text(str(stop.code))
 
 
 if __name__ == "__main__":

@@ -78,13 +78,16 @@ class SignalAtStep(L.Callback):
     """Test helper: the process sends ``signal`` to itself when the batch that makes
     optimizer step ``step + 1`` starts (a signal arriving mid-step, as ``kill`` sends it)."""
 
-    def __init__(self, step: int, signal: str = "SIGTERM") -> None:
+    def __init__(self, step: int, signal: str = "SIGTERM", rank: int | None = None) -> None:
         self.step = step
         self.signal = getattr(signal_module, signal)
         self.sent = False
+        self.rank = rank  # only this global rank signals itself (None: every rank)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: object, batch_idx: int) -> None:
+        if self.rank is not None and trainer.global_rank != self.rank:
+            return
         if not self.sent and trainer.global_step == self.step:
             self.sent = True
             os.kill(os.getpid(), self.signal)

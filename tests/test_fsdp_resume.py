@@ -87,6 +87,17 @@ def test_sharded_checkpoint_read_without_loading_and_refused_by_a_plain_trainer(
         train(cfg)
 
 
+def test_sigterm_on_rank_0_alone_stops_every_rank_with_a_checkpoint(runs):
+    """Without agreement rank 1 would wait in its next collective for rank 0 (a hang)."""
+    import json
+
+    folder = runs / "signalled"
+    assert [(folder / f"exit_rank{r}").read_text() for r in (0, 1)] == ["143", "143"]
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["global_step"] == 2
+    assert read_checkpoint(folder / "checkpoints" / "last.ckpt")["global_step"] == 2
+
+
 @pytest.mark.slow
 def test_python_train_py_fsdp_then_resume_sharded_on_one_process(tmp_path, shakespeare_root,
                                                                   runs):

@@ -269,7 +269,7 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
         model = copy.deepcopy(base).to(slot.home).train()
         report = strategy.apply(model.net, list(stages))
         if mesh is not None:
-            shard(model.net, mesh, report)
+            shard(model.net, mesh, report, stages=list(stages))
         if compile_backend is not None:  # in place: parameter names unchanged
             model.net.compile(backend=strategy.backend_for(compile_backend)
                               if isinstance(strategy, TorchCompileMemoryBudget)

@@ -19,6 +19,7 @@ Same config keys as training (``model``, ``data``, ``precision``,
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -73,6 +74,18 @@ def run_shape_of(cfg: DictConfig) -> tuple[Any, int, Any, str, int]:
     return build.with_strategy, batch_size, size, str(cfg.precision), accumulate
 
 
+@contextlib.contextmanager
+def _rng_kept() -> Any:
+    """Put torch's, numpy's and Python's global RNG back as they were after the block."""
+    from remat.callbacks.resume import rng_state, set_rng_state
+
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
 def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
     """The strategy to train with: a :class:`~remat.planner.BudgetStrategy` becomes the
     :class:`~remat.planner.PlanStrategy` of its plan (planned here, before the model is
@@ -86,10 +99,11 @@ def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
     if isinstance(strategy, BudgetStrategy):
         build, batch_size, size, precision, accumulate = run_shape_of(cfg)
         sharding = run_shape.sharding_of(cfg)
-        return strategy.planned(build, batch_size, size, precision, accumulate,
-                                default_stages=list(cfg.model.get("stages") or []),
-                                world_size=sharding.world_size,
-                                reshard_after_forward=sharding.reshard_after_forward)
+        with _rng_kept():  # planning builds models: the run's weights must not change
+            return strategy.planned(build, batch_size, size, precision, accumulate,
+                                    default_stages=list(cfg.model.get("stages") or []),
+                                    world_size=sharding.world_size,
+                                    reshard_after_forward=sharding.reshard_after_forward)
     if isinstance(strategy, PlanStrategy):
         check_plan_fits(strategy.plan, cfg, strategy.path)
     return strategy

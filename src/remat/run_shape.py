@@ -229,18 +229,33 @@ def sharding_of(cfg: Any) -> Sharding:
         if not isinstance(world, int):
             raise ValueError(f"world_size: expected a positive integer (ranks), got "
                              f"{_get(cfg, 'world_size')!r}")
-        return Sharding(world, bool(_get(cfg, "reshard_after_forward")
-                                    if _get(cfg, "reshard_after_forward") is not None else True))
+        return Sharding(world, _flag(_get(cfg, "reshard_after_forward"),
+                                     "reshard_after_forward"))
     trainer = _get(cfg, "trainer")
     strategy = _get(trainer, "strategy") if trainer is not None else None
     target = str(_get(strategy, "_target_") or "") if isinstance(strategy, Mapping | DictConfig) \
         else ""
     if not target.endswith("FSDP2Strategy"):
         return Sharding()
-    devices, nodes = _get(trainer, "devices"), _get(trainer, "num_nodes") or 1
+    devices, nodes = _get(trainer, "devices"), _get(trainer, "num_nodes")
+    nodes = 1 if nodes is None else nodes
     if not _is_int(devices) or not _is_int(nodes) or int(devices) < 1 or int(nodes) < 1:
         raise ValueError(f"trainer=fsdp: trainer.devices={devices!r} and trainer.num_nodes="
                          f"{nodes!r} must be numbers of processes per node and of nodes, so "
                          "the memory of one rank can be planned")
-    reshard = _get(strategy, "reshard_after_forward")
-    return Sharding(int(devices) * int(nodes), True if reshard is None else bool(reshard))
+    return Sharding(int(devices) * int(nodes),
+                    _flag(_get(strategy, "reshard_after_forward"),
+                          "trainer.strategy.reshard_after_forward"))
+
+
+def _flag(value: Any, key: str) -> bool:
+    """A bool config value (``None``: the default, True).
+
+    Raises:
+        ValueError: anything else (names ``key``).
+    """
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {value!r}")
+    return value

@@ -57,18 +57,29 @@ def _module(net: nn.Module, path: str) -> nn.Module:
     return net.get_submodule(path) if path else net
 
 
-def shard_units(net: nn.Module, report: StrategyReport) -> list[list[str]]:
+def shard_units(net: nn.Module, report: StrategyReport,
+                stages: Sequence[str] = ()) -> list[list[str]]:
     """The FSDP units below the root for ``net`` wrapped as ``report`` says.
 
     Each stage that is a chain contributes one unit per checkpointed segment
     (``report.segments``) and one per block outside any segment (``none``, or blocks a plan
-    keeps); a stage that is one module is one unit.
+    keeps); a stage that is one module is one unit. ``stages`` (the model's own
+    ``model.stages``, globs allowed) are added where the report has no stage at or around
+    them, so a strategy that wrapped nothing there still gets one unit per block.
 
     Returns:
         Lists of dotted module paths, one list per unit, in model order.
     """
+    from remat.strategies.stages import resolve_stages
+
+    paths = list(report.stages)
+    if stages:
+        for path, _ in resolve_stages(net, list(stages)):
+            if not any(path == p or path.startswith(p + ".") or p.startswith(path + ".")
+                       for p in paths):
+                paths.append(path)
     units: list[list[str]] = []
-    for stage in report.stages:
+    for stage in paths:
         module = _module(net, stage)
         if not isinstance(module, CHAIN_TYPES):
             units.append([stage])
@@ -91,7 +102,8 @@ def is_sharded(net: nn.Module) -> bool:
 
 
 def shard(net: nn.Module, mesh: Any, report: StrategyReport, *,
-          reshard_after_forward: bool = True, mp_policy: Any = None) -> ShardReport:
+          reshard_after_forward: bool = True, mp_policy: Any = None,
+          stages: Sequence[str] = ()) -> ShardReport:
     """Shard ``net`` with FSDP2 over the 1-D ``mesh``: one unit per checkpointed segment and
     per block of each stage chain, then the root (module docstring for the order).
 
@@ -105,6 +117,7 @@ def shard(net: nn.Module, mesh: Any, report: StrategyReport, *,
         reshard_after_forward: ``fully_shard``'s argument (True: ZeRO-3; False: ZeRO-2).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` or ``None`` (parameters and gradients
             stay in their dtype; Lightning's ``bf16-mixed`` autocasts the compute).
+        stages: the model's own stages (:func:`shard_units`).
 
     Raises:
         StageError: ``net`` is already sharded (shard once, after the strategy), or
@@ -121,7 +134,7 @@ def shard(net: nn.Module, mesh: Any, report: StrategyReport, *,
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    units = shard_units(net, report)
+    units = shard_units(net, report, stages)
     for unit in units:
         modules = [_module(net, p) for p in unit]
         if not any(p.requires_grad for m in modules for p in m.parameters()):

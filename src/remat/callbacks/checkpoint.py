@@ -189,7 +189,7 @@ class LastCheckpoint(Checkpoint):
         if trainer.global_step == self._step_at_batch_start:
             return  # gradients are still being accumulated: no complete step to save
         last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        if self.received_signal and not last_batch:  # at the epoch's end: after validation
+        if self._signalled(trainer) and not last_batch:  # at the epoch's end: after validation
             self._stop(trainer, "signal")
             return
         n = self.every_n_train_steps
@@ -210,8 +210,22 @@ class LastCheckpoint(Checkpoint):
                 or self._saved_at[2] not in ("epoch_end", "signal"):
             self._epoch_end(trainer)  # no validation at this epoch's end
 
+    def _signalled(self, trainer: L.Trainer) -> bool:
+        """A stop signal reached this rank or, in a multi-rank run, any rank (one small
+        all-reduce per optimizer step): every rank must checkpoint and stop together, or the
+        ones that go on wait in a collective for the ones that stopped."""
+        mine = self.received_signal is not None
+        if trainer.world_size > 1:
+            anyone = bool(trainer.strategy.reduce_boolean_decision(mine, all=False))
+            if anyone and not mine:
+                self.received_signal = "SIGTERM"
+                log.warning("another rank received a stop signal: stopping after this "
+                            "optimizer step, with a checkpoint")
+            return anyone
+        return mine
+
     def _epoch_end(self, trainer: L.Trainer) -> None:
-        if self.received_signal:
+        if self._signalled(trainer):
             self._stop(trainer, "epoch_end")
         else:
             self.save(trainer, "epoch_end")

@@ -258,8 +258,9 @@ def _sharded_build(build: Callable[[], nn.Module], world_size: int, rank: int,
 
         with unset_fake_temporarily():  # the mesh holds a real tensor of rank ids
             mesh = init_device_mesh(device_type=device.type, mesh_shape=(world_size,))
-        shard(model.net, mesh,
-              model.strategy_report, reshard_after_forward=reshard_after_forward)
+        shard(model.net, mesh, model.strategy_report,
+              reshard_after_forward=reshard_after_forward,
+              stages=getattr(model, "stage_paths", ()))
         return model  # the fake group lives until the (child) process ends
 
     return sharded

@@ -45,10 +45,12 @@ class StrategyModule(L.LightningModule):
         """
         self.net = net
         self.strategy = strategy if strategy is not None else NoCheckpoint()
+        self.stage_paths: list[str] = []  # model.stages as given (FSDP units follow them)
         try:
             stages = as_stage_list(stages)
         except StageError as err:
             raise StageError(f"model.stages: {err}") from err
+        self.stage_paths = list(stages)
         if not stages and self.strategy.name != "none":
             rank_zero_warn(f"model.stages is empty: strategy {type(self.strategy).__name__} "
                            "wraps nothing, so this run checkpoints no activations; list the "
@@ -102,7 +104,8 @@ class StrategyModule(L.LightningModule):
         name = type(self.net).__name__  # before fully_shard renames the class FSDP<name>
         self.shard_report = shard(
             self.net, mesh, self.strategy_report,
-            reshard_after_forward=getattr(trainer_strategy, "reshard_after_forward", True))
+            reshard_after_forward=getattr(trainer_strategy, "reshard_after_forward", True),
+            stages=self.stage_paths)
         log.info("FSDP2 sharded %s over %d ranks: %d units below the root", name,
                  mesh.size(), len(self.shard_report.units))
 
@@ -113,7 +116,7 @@ class StrategyModule(L.LightningModule):
 
         from remat.sharding import shard_units
 
-        mine = shard_units(self.net, self.strategy_report)
+        mine = shard_units(self.net, self.strategy_report, self.stage_paths)
         every: list[Any] = [None] * mesh.size()
         dist.all_gather_object(every, mine, group=mesh.get_group())
         if any(units != mine for units in every):

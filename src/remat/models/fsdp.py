@@ -36,11 +36,20 @@ class FSDP2Strategy(ModelParallelStrategy):
             file (loads anywhere, also on one process without FSDP).
         process_group_backend: ``gloo`` (CPU) or ``nccl``; ``None`` picks by device.
         **kwargs: passed on to ``ModelParallelStrategy`` (e.g. ``timeout``).
+
+    Raises:
+        ValueError: ``reshard_after_forward`` or ``save_distributed_checkpoint`` is not a
+            bool (names the ``trainer.strategy`` key).
     """
 
     def __init__(self, reshard_after_forward: bool = True,
                  save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, **kwargs: Any) -> None:
+        for key, value in (("reshard_after_forward", reshard_after_forward),
+                           ("save_distributed_checkpoint", save_distributed_checkpoint)):
+            if not isinstance(value, bool):
+                raise ValueError(f"trainer.strategy.{key}: expected true or false, got "
+                                 f"{value!r}")
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, **kwargs)

@@ -158,8 +158,11 @@ class SequenceModule(StrategyModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = self.training_loss(batch)
         size = batch["tokens"].shape[0]
-        self.log("val/loss", loss, on_epoch=True, prog_bar=True, batch_size=size)
-        self.log("val/bpc", loss / math.log(2), on_epoch=True, batch_size=size)
+        # sync_dist: under DDP/FSDP the mean over every rank's windows, not rank 0's alone
+        self.log("val/loss", loss, on_epoch=True, prog_bar=True, batch_size=size,
+                 sync_dist=True)
+        self.log("val/bpc", loss / math.log(2), on_epoch=True, batch_size=size,
+                 sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking or self.hparams.sample_tokens < 1:

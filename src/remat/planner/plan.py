@@ -153,6 +153,14 @@ class Plan:
         return "\n".join(lines) if lines else "(keep everything)"
 
 
+def _resolves(model: nn.Module, path: str) -> bool:
+    try:
+        resolve_stages(model, [path])
+    except StageError:
+        return False
+    return True
+
+
 class PlanStrategy(RecomputeStrategy):
     """Apply a :class:`Plan`: ``recompute`` segments become checkpointed regions,
     ``selective`` blocks use the ``selective`` matmul preset, ``keep`` blocks are left alone.
@@ -206,7 +214,10 @@ class PlanStrategy(RecomputeStrategy):
         except StageError as err:
             raise StageError(f"{where}: {err}; plan again for this model") from err
         wrapping.unwrap_all(model)
-        report = StrategyReport(strategy=self.name, stages=[u.path for u in units])
+        # every unit of the plan, kept ones too: FSDP shards each (remat.sharding)
+        report = StrategyReport(strategy=self.name, stages=[
+            u.path for u in self.plan.units
+            if u.changed or _resolves(model, u.path)])
         try:
             for unit in units:
                 self._wrap_unit(unit, resolved[unit.path], report, where)

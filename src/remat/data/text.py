@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler
 
 from remat.data.base import SplitDataModule
 
@@ -128,8 +128,9 @@ class _TextDataModule(SplitDataModule):
             raise RuntimeError("call setup() before asking for a dataloader")
         self.check_vocab_size()
         count = self.train_windows or max(1, self.train_set.tokens.numel() // self.block_size)
-        sampler = RandomSampler(self.train_set, num_samples=count,
-                                generator=torch.Generator().manual_seed(self.loader_seed))
+        sampler = WindowSampler(RandomSampler(
+            self.train_set, num_samples=count,
+            generator=torch.Generator().manual_seed(self.loader_seed)))
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler,
                           drop_last=count > self.batch_size, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory)
@@ -138,6 +139,27 @@ class _TextDataModule(SplitDataModule):
         self.check_vocab_size()
         return self._loader(self.test_set if self.test_set is not None else self.val_set,
                             train=False)
+
+
+class WindowSampler(Sampler):
+    """The train windows of an epoch: ``inner``'s indices (a seeded ``RandomSampler`` with
+    ``num_samples``), unchanged.
+
+    Not a ``RandomSampler`` itself, on purpose: under DDP/FSDP Lightning replaces a
+    ``RandomSampler`` by a ``DistributedSampler`` over the whole dataset (every possible
+    window: an epoch 150x as long here), while any other sampler is split across the ranks
+    (``DistributedSamplerWrapper``), so the ranks share the epoch's ``train_windows``.
+    """
+
+    def __init__(self, inner: RandomSampler) -> None:
+        self.inner = inner
+        self.generator = inner.generator  # ResumeState sets it back on resume
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
 
 
 class CharTextDataModule(_TextDataModule):

@@ -4,10 +4,12 @@
 forward, loss and backward of one batch, and records per op (a ``TorchDispatchMode``) its
 FLOPs (``torch.utils.flop_counter`` formulas), the bytes it reads and writes, and which
 candidate block runs it; per block (forward hooks) the storages of its inputs and outputs;
-and per saved tensor (``torch.autograd.graph.saved_tensors_hooks``) which block saved it and
-which op made it. From that, :class:`BlockCost` gives for each block what keeping it, recomputing
-it, or recomputing all but its matmul/convolution/SDPA outputs (the ``selective`` preset)
-costs in bytes kept and in recompute time on a device (a roofline per op, see
+and per saved tensor (``torch.autograd.graph.saved_tensors_hooks``) which block saved it;
+and per block, the decisions of the ``selective`` preset's own policy on
+its forward ops. From that, :class:`BlockCost` gives for each block what keeping it,
+recomputing it, or recomputing all but its matmul/convolution/SDPA outputs (the
+``selective`` preset, which caches those outputs whether autograd saves them or not) costs in
+bytes kept and in recompute time on a device (a roofline per op, see
 :mod:`remat.planner.devices`).
 
 Candidates (:func:`find_candidates`): every outermost chain (``nn.Sequential``,
@@ -31,7 +33,12 @@ from remat.measure.step import autocast
 from remat.measure.trace import _batch, run_built
 from remat.planner.devices import DeviceSpec
 from remat.strategies.segmented import CHAIN_TYPES, chain_members
-from remat.strategies.selective import SelectiveCheckpoint, _flops, _storage_key
+from remat.strategies.selective import (
+    SelectiveCheckpoint,
+    _flops,
+    _RegionPolicy,
+    _storage_key,
+)
 
 
 @dataclass
@@ -52,11 +59,15 @@ class BlockCost:
         flops: forward FLOPs (what a recompute of the block adds).
         time: roofline forward time of its ops (s).
         selective_flops, selective_time: FLOPs and time of the ops the ``selective`` preset
-            recomputes (all but matmul, convolution and SDPA).
+            recomputes (the ops whose outputs it does not cache, but for those whose
+            outputs nothing reads again).
         saved: storage key -> bytes of the tensors its ops save for backward (parameters
             excluded).
-        selective_saved: the part of ``saved`` the selective preset keeps (outputs of
-            matmul, convolution and SDPA ops).
+        selective_saved: storage key -> bytes of what the selective preset caches: the
+            outputs of matmul, convolution and SDPA ops, whether autograd saves them or
+            not (an attention score matrix that feeds a softmax), within the bytes
+            autograd saves of the block's own tensors; at most ``saved_bytes`` in all
+            (see ``_Recorder.selective_cost``).
         inputs: storage key -> bytes of the tensors it is called with.
         outputs: storage key -> bytes of the tensors it returns.
     """
@@ -177,9 +188,25 @@ def _tensor_bytes(values: Any) -> dict[Any, int]:
     return out
 
 
+class _ForwardContext:
+    """What the selective policy reads of torch's ``SelectiveCheckpointContext`` in a
+    block's forward."""
+
+    is_recompute = False
+
+    def __init__(self, op_output: Any) -> None:
+        self.op_output = op_output
+
+
 class _Recorder(TorchDispatchMode):
-    """Per op: FLOPs, bytes read and written, the innermost block running it; which op
-    made each storage (for the selective preset)."""
+    """Per op: FLOPs, bytes read and written, the innermost block running it. Per block,
+    the selective preset's own policy (:meth:`SelectiveCheckpoint.make_policy`) sees the
+    block's forward ops and packs as it would in a checkpointed block, so the profile keeps
+    what the preset keeps (:meth:`selective_cost`).
+
+    Every tensor the forward makes is held until the recorder goes (fake tensors: no
+    memory), so no freed storage's key is reused by a later one.
+    """
 
     def __init__(self, device: DeviceSpec, precision: str, selective: SelectiveCheckpoint
                  ) -> None:
@@ -189,7 +216,11 @@ class _Recorder(TorchDispatchMode):
         self.selective = selective
         self.stack: list[str] = []
         self.blocks: dict[str, BlockCost] = {}
-        self.maker: dict[Any, tuple[str | None, bool]] = {}
+        # block -> the preset's policy (None: the preset refuses the block) and, per op it
+        # saw, (FLOPs, roofline s)
+        self.policies: dict[str, _RegionPolicy | None] = {}
+        self.op_costs: dict[str, list[tuple[int, float]]] = {}
+        self.alive: list[Any] = []
         self.step_flops = 0
         self.step_time = 0.0
         self.largest_conv = 0
@@ -197,6 +228,10 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func.namespace == "prim":
+            # ``prim.device`` of a fake tensor (asked by this profile's own hooks and by
+            # Python code): metadata, no work, and no op a real run's policy sees
+            return out
         flops = _flops(func, args, kwargs, out)
         moved = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0]
                     if isinstance(t, torch.Tensor))
@@ -204,24 +239,73 @@ class _Recorder(TorchDispatchMode):
         self.step_flops += flops
         self.step_time += seconds
         block = self.stack[-1] if self.stack else None
-        saves = self.selective.saves_output(func)
-        if func.overloadpacket is torch.ops.aten.convolution and torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return out
+        self.alive.append(out)
+        if func.overloadpacket is torch.ops.aten.convolution:
             self.largest_conv = max(self.largest_conv, *(
                 _nbytes(t) for t in tree_flatten((args[:2], out))[0]
                 if isinstance(t, torch.Tensor)))
-        if block is not None and torch.is_grad_enabled():
+        if block is not None:
             cost = self.blocks[block]
             cost.flops += flops
             cost.time += seconds
-            if not saves:
-                cost.selective_flops += flops
-                cost.selective_time += seconds
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                key = _storage_key(t)
-                if key is not None and key not in self.maker:
-                    self.maker[key] = (block, saves)
+            if block not in self.policies:
+                self.policies[block] = self.selective.make_policy()
+                self.op_costs[block] = []
+            policy = self.policies[block]
+            if policy is not None:
+                try:
+                    policy(_ForwardContext(out), func, *args, **kwargs)
+                    self.op_costs[block].append((flops, seconds))
+                except RuntimeError:  # an in-place op the preset cannot replay
+                    self.policies[block] = None
         return out
+
+    def packed(self, t: torch.Tensor) -> None:
+        """Autograd saves ``t`` now (a saved-tensor hook): tell the running block's policy,
+        as the selective preset's own hook (``_record_packs``) does."""
+        policy = self.policies.get(self.stack[-1]) if self.stack else None
+        if policy is not None:
+            policy.packed.add(policy.key(t))
+
+    def selective_cost(self, cost: BlockCost) -> None:
+        """Fill ``cost.selective_saved``, ``selective_flops`` and ``selective_time`` (its
+        ``saved`` known) from what the preset's policy settles for the block
+        (:meth:`remat.strategies.selective._RegionPolicy.settle`): the outputs of the
+        matmul, convolution and SDPA ops it caches, whether autograd saves them or not
+        (attention scores that feed a softmax), within the bytes autograd saves of the
+        block's own tensors; its recompute is every other op but those whose outputs
+        nothing reads again.
+
+        A block whose cache would hold everything autograd saves runs without a checkpoint
+        (``saves_nothing``): it keeps ``saved`` and recomputes nothing. A block the preset
+        refuses (an in-place op it cannot replay) is modelled as keeping ``saved`` and
+        recomputing everything, so the search never prefers it to ``keep``.
+        """
+        policy = self.policies.get(cost.path)
+        if policy is None:
+            cost.selective_saved = dict(cost.saved) if cost.path in self.policies else {}
+            cost.selective_flops, cost.selective_time = (
+                (cost.flops, cost.time) if cost.path in self.policies else (0, 0.0))
+            return
+        cached, dead_ops, dead = policy.settle()
+        kept = policy.kept(cached, dead)
+        if all(k in kept for k in policy.produced if k in policy.packed):
+            cost.selective_saved = dict(cost.saved)
+            cost.selective_flops, cost.selective_time = 0, 0.0
+            return
+        # the policy's keys are (storage key, generation); with every storage held alive,
+        # the storage key alone is unique, as in ``saved``, ``inputs`` and ``outputs``
+        selective = {k[0]: n for k, n in kept.items()}
+        total = cost.saved_bytes
+        if sum(selective.values()) > total:  # never more than autograd itself keeps
+            selective = dict(cost.saved)
+        cost.selective_saved = selective
+        recomputed = [c for i, c in enumerate(self.op_costs[cost.path])
+                      if i not in cached and i not in dead_ops]
+        cost.selective_flops = sum(f for f, _ in recomputed)
+        cost.selective_time = sum(t for _, t in recomputed)
 
 
 def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int, size: Any,
@@ -254,6 +338,7 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
         saved_by: dict[Any, tuple[str | None, int]] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            recorder.packed(t)
             key = _storage_key(t)
             if key is not None and key not in params and key not in saved_by:
                 saved_by[key] = (recorder.stack[-1] if recorder.stack else None, _nbytes(t))
@@ -272,11 +357,9 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
             if block is None:
                 elsewhere[key] = nbytes
                 continue
-            cost = recorder.blocks[block]
-            cost.saved[key] = nbytes
-            _, saves = recorder.maker.get(key, (None, False))
-            if saves:
-                cost.selective_saved[key] = nbytes
+            recorder.blocks[block].saved[key] = nbytes
+        for cost in recorder.blocks.values():
+            recorder.selective_cost(cost)
         return Profile(units=units, blocks=recorder.blocks, step_flops=recorder.step_flops,
                        step_time=recorder.step_time, saved_elsewhere=elsewhere,
                        fingerprint=fingerprint(net), model=type(net).__name__,

@@ -333,8 +333,8 @@ class _RegionPolicy:
                             _is_random(op, args, kwargs)))
         return decision
 
-    def finish(self, storage: dict) -> None:
-        """After the block's forward, settle what the block keeps (module docstring):
+    def settle(self) -> tuple[set[int], set[int], set[tuple]]:
+        """After the block's forward, what the block keeps (module docstring):
 
         1. the "save" decisions with an output autograd saved for backward (or that an
            in-place op changed) stay cached;
@@ -346,10 +346,11 @@ class _RegionPolicy:
            stays within the bytes autograd would have saved for the block's own tensors;
            the rest run again in the recompute.
 
-        ``storage`` is torch's SAC cache of the block (``_CachingTorchDispatchMode``).
+        Returns ``(cached, dead_ops, dead)``: indices into ``ops`` of the ops whose outputs
+        stay cached, of the ops that get a placeholder, and the storages not kept. Reads
+        only what the forward recorded, so the planner's profile
+        (:mod:`remat.planner.profile`) asks it too.
         """
-        if _RECOMPUTE_ENTRY is None:
-            return  # pragma: no cover - a torch without this SAC internal
         needed = self.packed | self.written
         budget = sum(n for k, n in self.produced.items() if k in self.packed)
         ops = self.ops
@@ -362,7 +363,7 @@ class _RegionPolicy:
             for k in op.reads + op.writes:
                 readers.setdefault(k, []).append(i)
 
-        def settle() -> tuple[set[int], set[tuple]]:
+        def unread() -> tuple[set[int], set[tuple]]:
             """Ops with no output read in the recompute, and unread storages."""
             dead_ops: set[int] = set()
             dead: set[tuple] = set()
@@ -381,7 +382,7 @@ class _RegionPolicy:
         def cost(op: _Op, counted: set[tuple], dead: set[tuple]) -> int:
             return sum(self.produced.get(k, 0) for k in set(op.made) - counted - dead)
 
-        dead_ops, dead = settle()
+        dead_ops, dead = unread()
         counted: set[tuple] = set()
         for i in sorted(cached):
             budget -= cost(ops[i], counted, dead)
@@ -395,8 +396,23 @@ class _RegionPolicy:
                 budget -= c
                 counted.update(ops[i].made)
                 cached.add(i)
-        dead_ops, dead = settle()
-        kept_storages = {k for i in cached for k in ops[i].made if k not in dead}
+        dead_ops, dead = unread()
+        return cached, dead_ops, dead
+
+    def kept(self, cached: set[int], dead: set[tuple]) -> dict[tuple, int]:
+        """Storage -> bytes of what the cache keeps, given :meth:`settle`'s answer."""
+        return {k: self.produced[k] for i in cached for k in self.ops[i].made
+                if k not in dead and k in self.produced}
+
+    def finish(self, storage: dict) -> None:
+        """After the block's forward, settle what the block keeps (:meth:`settle`) and
+        rewrite torch's SAC cache of the block (``storage``, ``_CachingTorchDispatchMode``)
+        to match: placeholders for dead ops, recompute entries for the rest."""
+        if _RECOMPUTE_ENTRY is None:
+            return  # pragma: no cover - a torch without this SAC internal
+        ops = self.ops
+        cached, dead_ops, dead = self.settle()
+        kept_storages = set(self.kept(cached, dead))
         # every tensor autograd saved is cached anyway: checkpointing frees nothing here
         self.saves_nothing = all(k in kept_storages for k in self.produced if k in self.packed)
         self.rewrites_state = False

@@ -183,12 +183,19 @@ class ResumeState(L.Callback):
                 inner, own if isinstance(own, torch.Generator) else generator)
         self._sampler = inner
         self._batch_size = batch_sampler.batch_size
-        if pending is None:
-            return
-        self._warn_if_reshaped(pending, batch_sampler.batch_size)
+        if pending is not None:
+            self._apply(pending)
+
+    def _apply(self, pending: dict[str, Any]) -> None:
+        """Put the prepared sampler where the checkpointed run's loader was. Called from
+        :meth:`_prepare`, or from :meth:`load_state_dict` when the loader was made before the
+        checkpoint was read (Lightning's ``ModelParallelStrategy`` restores after setup,
+        and a scheduler asking ``estimated_stepping_batches`` makes the loader there)."""
+        inner, batch_size = self._sampler, self._batch_size
+        self._warn_if_reshaped(pending, batch_size)
         if pending.get("batches"):
             # the samples the checkpointed run trained, whatever the batch size is now
-            samples = pending.get("samples", pending["batches"] * batch_sampler.batch_size)
+            samples = pending.get("samples", pending["batches"] * batch_size)
             inner.resume = (pending.get("generator"), samples)
             log.info("resume: skipping the %d batches (%d samples) of this epoch trained "
                      "before the checkpoint", pending["batches"], samples)
@@ -277,6 +284,7 @@ class ResumeState(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._rng = state_dict.get("rng")
+        self._pending = state_dict.get("loader")
         ranks = state_dict.get("rng_per_rank")
         if ranks:
             rank, world = _rank_and_world()
@@ -286,4 +294,6 @@ class ResumeState(L.Callback):
                 rank_zero_warn(f"the checkpoint holds the RNG of {len(ranks)} ranks, this run "
                                f"has {world}: every rank starts from rank 0's RNG, so random "
                                "draws (dropout masks) differ from an uninterrupted run")
-        self._pending = state_dict.get("loader")
+        if self._sampler is not None and self._pending is not None:  # loader made already
+            pending, self._pending = self._pending, None
+            self._apply(pending)

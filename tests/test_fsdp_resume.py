@@ -54,6 +54,11 @@ def test_sharded_resume_on_2_processes_repeats_the_uninterrupted_run(runs, tmp_p
     for key, value in theirs.items():
         assert torch.equal(ours[key], value), key
     assert not list((resumed / "checkpoints").glob(".*"))  # no staging folder left behind
+    import json
+
+    sharding = json.loads((straight / "summary.json").read_text())["sharding"]
+    assert sharding == {"units": [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]],
+                        "world_size": 2, "reshard_after_forward": True}
 
 
 def test_full_checkpoint_resumes_on_one_process_without_fsdp(runs, tmp_path,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from remat.sharding import shard, shard_rows, shard_units, sharded_bytes
+from remat.sharding import shard, shard_units
 from remat.strategies import StageError, build_strategy
 from tests.fsdp_script import make_module, make_windows
 
@@ -78,18 +78,6 @@ def test_sharding_twice_is_refused(mesh):
     shard(module.net, mesh, module.strategy_report)
     with pytest.raises(StageError, match="already sharded.*apply the strategy first"):
         shard(module.net, mesh, module.strategy_report)
-
-
-def test_shard_rows_split_dim0_as_torch_chunk():
-    for rows in (0, 1, 5, 8, 33):
-        for world in (1, 2, 3, 4):
-            chunks = torch.arange(rows).chunk(world) if rows else ()
-            sizes = [len(c) for c in chunks] + [0] * (world - len(chunks))
-            assert [shard_rows(rows, world, r) for r in range(world)] == sizes
-    # a [5, 3] fp32 and a 0-d parameter (one row) on 2 ranks: rank 0 holds 3 rows and the
-    # scalar, rank 1 holds 2 rows
-    assert sharded_bytes([((5, 3), 4), ((), 4)], 2, 0) == 3 * 3 * 4 + 4
-    assert sharded_bytes([((5, 3), 4), ((), 4)], 2, 1) == 2 * 3 * 4
 
 
 def test_sharding_of_reads_world_size_or_the_fsdp_trainer(tmp_path):

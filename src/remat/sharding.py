@@ -20,7 +20,6 @@ calls :func:`shard` under Lightning's ``ModelParallelStrategy``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,22 +142,3 @@ def shard(net: nn.Module, mesh: Any, report: StrategyReport, *,
     fully_shard(net, **kwargs)
     return ShardReport(units=units, world_size=mesh.size(),
                        reshard_after_forward=reshard_after_forward)
-
-
-def shard_rows(numel_dim0: int, world_size: int, rank: int) -> int:
-    """Rows of a parameter's dim 0 that ``rank`` holds under FSDP2: ``torch.chunk`` of dim 0
-    into ``world_size`` pieces (the last ranks may hold fewer rows, or none)."""
-    size = math.ceil(numel_dim0 / world_size) if numel_dim0 else 0
-    return max(0, min(size, numel_dim0 - rank * size))
-
-
-def sharded_bytes(shapes: Sequence[tuple[Sequence[int], int]], world_size: int,
-                  rank: int = 0) -> int:
-    """Bytes ``rank`` holds of parameters with the given ``(shape, element size)`` when
-    FSDP2 shards each along dim 0 (:func:`shard_rows`; a 0-d parameter as one row)."""
-    total = 0
-    for shape, itemsize in shapes:
-        shape = tuple(shape) or (1,)
-        row = math.prod(shape[1:]) * itemsize
-        total += shard_rows(shape[0], world_size, rank) * row
-    return total

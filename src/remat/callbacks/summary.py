@@ -225,6 +225,9 @@ class RunSummary(L.Callback):
             summary["error"] = f"stopped by {summary['signal']}"
         summary.update({
             "strategy_report": report_obj.to_dict() if report_obj is not None else None,
+            # FSDP2 units and ranks under trainer=fsdp (peaks below are rank 0's)
+            "sharding": (pl_module.shard_report.to_dict()
+                         if getattr(pl_module, "shard_report", None) is not None else None),
             "device": device_name(pl_module.device) if pl_module is not None else None,
             "global_step": trainer.global_step,
             "epochs": trainer.current_epoch,

@@ -55,10 +55,6 @@ class FSDP2Strategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, **kwargs)
         self.reshard_after_forward = bool(reshard_after_forward)
 
-    @property
-    def save_distributed_checkpoint(self) -> bool:
-        return self._save_distributed_checkpoint
-
     def setup_environment(self) -> None:
         # every rank on the data-parallel axis, none on the tensor-parallel one
         self._data_parallel_size = self.num_nodes * self.num_processes

@@ -212,6 +212,16 @@ class Sharding:
     reshard_after_forward: bool = True
 
 
+def trains_sharded(cfg: Any, remat_only: bool = False) -> bool:
+    """``cfg.trainer.strategy`` is Lightning's ``ModelParallelStrategy`` (FSDP2), or, with
+    ``remat_only``, remat's subclass of it (``trainer=fsdp``)."""
+    strategy = _get(_get(cfg, "trainer"), "strategy")
+    target = (str(_get(strategy, "_target_") or "")
+              if isinstance(strategy, Mapping | DictConfig) else "")
+    names = ("FSDP2Strategy",) if remat_only else ("FSDP2Strategy", "ModelParallelStrategy")
+    return target.endswith(names)
+
+
 def sharding_of(cfg: Any) -> Sharding:
     """The sharding of a composed config.
 
@@ -233,9 +243,7 @@ def sharding_of(cfg: Any) -> Sharding:
                                      "reshard_after_forward"))
     trainer = _get(cfg, "trainer")
     strategy = _get(trainer, "strategy") if trainer is not None else None
-    target = str(_get(strategy, "_target_") or "") if isinstance(strategy, Mapping | DictConfig) \
-        else ""
-    if not target.endswith("FSDP2Strategy"):
+    if not trains_sharded(cfg, remat_only=True):
         return Sharding()
     devices, nodes = _get(trainer, "devices"), _get(trainer, "num_nodes")
     nodes = 1 if nodes is None else nodes

@@ -137,7 +137,7 @@ def shard(net: nn.Module, mesh: Any, report: StrategyReport, *,
     for unit in units:
         modules = [_module(net, p) for p in unit]
         if not any(p.requires_grad for m in modules for p in m.parameters()):
-            continue  # nothing to shard (a parameter-free block stays with its parent)
+            continue  # no trainable parameter (a frozen or parameter-free block): the root's
         fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
     fully_shard(net, **kwargs)
     return ShardReport(units=units, world_size=mesh.size(),

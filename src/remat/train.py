@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from remat import run_shape
 from remat.callbacks import LastCheckpoint, RunSummary, failure_summary, write_json
 from remat.callbacks.run_dir import run_dir_claimed
 from remat.config import check_top_level, config_dir
@@ -81,13 +82,6 @@ def _exit_code(err: BaseException, callbacks: list[Any]) -> int | None:
     return 128 + int(getattr(signal, name))
 
 
-def _shards(cfg: DictConfig) -> bool:
-    """The trainer runs Lightning's ModelParallelStrategy (FSDP2), on any number of ranks."""
-    strategy = cfg.trainer.get("strategy") if "trainer" in cfg else None
-    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else ""
-    return target.endswith(("FSDP2Strategy", "ModelParallelStrategy"))
-
-
 def _strategy(cfg: DictConfig) -> Any:
     """``cfg.strategy`` instantiated; a memory budget (``strategy=budget``) is planned here,
     before the model is built, and a replayed plan checked against the run
@@ -128,7 +122,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             check_model_fits_data(model, datamodule, _choice("model"), _choice("data"))
             ckpt_path = cfg.get("ckpt_path")
             if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES:
-                check_sharded_resume(ckpt_path, _shards(cfg))
+                check_sharded_resume(ckpt_path, run_shape.trains_sharded(cfg))
                 check_checkpoint_fits(model, read_checkpoint(ckpt_path), ckpt_path)
             callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
             trainer = instantiate(cfg.trainer, callbacks=callbacks,

@@ -45,12 +45,11 @@ class StrategyModule(L.LightningModule):
         """
         self.net = net
         self.strategy = strategy if strategy is not None else NoCheckpoint()
-        self.stage_paths: list[str] = []  # model.stages as given (FSDP units follow them)
         try:
             stages = as_stage_list(stages)
         except StageError as err:
             raise StageError(f"model.stages: {err}") from err
-        self.stage_paths = list(stages)
+        self.stage_paths: list[str] = list(stages)  # FSDP units follow them too
         if not stages and self.strategy.name != "none":
             rank_zero_warn(f"model.stages is empty: strategy {type(self.strategy).__name__} "
                            "wraps nothing, so this run checkpoints no activations; list the "

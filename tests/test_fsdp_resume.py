@@ -12,7 +12,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from remat.models.checks import check_checkpoint_fits, is_sharded_checkpoint, read_checkpoint
+from remat.models.checks import (
+    check_checkpoint_fits,
+    is_sharded_checkpoint,
+    read_checkpoint,
+    sharded_weights,
+)
 from remat.train import train
 from tests.fsdp_resume_script import overrides
 from tests.helpers import compose_train, logged, run_python, subprocess_env
@@ -86,7 +91,13 @@ def test_sharded_checkpoint_read_without_loading_and_refused_by_a_plain_trainer(
                                                       f"ckpt_path={ckpt}"))
     from hydra.utils import instantiate
 
-    check_checkpoint_fits(instantiate(cfg.model), data, ckpt)  # keys and shapes fit
+    model = instantiate(cfg.model)
+    check_checkpoint_fits(model, data, ckpt)  # keys and shapes fit
+    # remat.eval gathers the shards on one process and loads them strictly
+    weights = sharded_weights(ckpt)
+    model.load_state_dict(weights)
+    assert torch.equal(model.state_dict()["net.tok_emb.weight"], weights["net.tok_emb.weight"])
+    assert all(t.device.type == "cpu" for t in weights.values())
     with pytest.raises(ValueError, match=r"sharded checkpoint.*trainer=fsdp on any number "
                                          r"of processes.*save_distributed_checkpoint=false"):
         train(cfg)

@@ -46,7 +46,13 @@ from remat import run_shape
 from remat.config import config_dir
 from remat.data.sizes import same_size
 from remat.models import SegmentationModule
-from remat.models.checks import check_checkpoint_fits, check_model_fits_data, read_checkpoint
+from remat.models.checks import (
+    check_checkpoint_fits,
+    check_model_fits_data,
+    is_sharded_checkpoint,
+    read_checkpoint,
+    sharded_weights,
+)
 from remat.models.metrics import SegmentationMetrics
 
 log = logging.getLogger(__name__)
@@ -412,6 +418,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"remat.eval scores segmentation models; model._target_ built "
                          f"{type(model).__name__}")
     check_checkpoint_fits(model, ckpt, ckpt_path)
+    if is_sharded_checkpoint(ckpt_path):  # trainer=fsdp: gather the shards on this process
+        ckpt["state_dict"] = sharded_weights(ckpt_path)
     model.load_state_dict(ckpt["state_dict"])  # read once, weights_only, fit checked above
     datamodule = instantiate(cfg.data)
     check_model_fits_data(model, datamodule)

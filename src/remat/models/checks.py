@@ -153,6 +153,27 @@ def _read_sharded(path: Path, ckpt_path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
+def sharded_weights(ckpt_path: str | Path) -> dict[str, torch.Tensor]:
+    """The full model ``state_dict`` of a sharded checkpoint folder, gathered on this one
+    process (torch.distributed.checkpoint's ``dcp_to_torch_save`` into a temporary file).
+
+    Raises:
+        ValueError: the shards could not be read (names ``ckpt_path``).
+    """
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "full.pt"
+        try:
+            dcp_to_torch_save(str(ckpt_path), str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)["state_dict"]
+        except Exception as err:  # corrupt or partial shards
+            raise ValueError(f"ckpt_path={ckpt_path}: the shards could not be gathered: "
+                             f"{err}") from err
+
+
 def check_sharded_resume(ckpt_path: str | Path | None, sharded_trainer: bool) -> None:
     """Refuse a sharded checkpoint for a run that does not shard, saying what to do.
 

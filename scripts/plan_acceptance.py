@@ -109,20 +109,24 @@ def main(argv: list[str]) -> None:
             alloc = allocator_peak(lambda s, st=paths: build(s, st),
                                    build_strategy(name, **kwargs), batch_size, size, precision)
             fixed.append((f"{tag}/{label}", alloc, traced.step_flops - none.step_flops,
-                          traced.peak_bytes))
+                          traced.allocator_peak))
     none_alloc = allocator_peak(build, NoCheckpoint(), batch_size, size, precision)
     ref_grads = gradients(build, NoCheckpoint(), batch_size, size, precision)
     _, floor = planner.floor()
-    low, high = planner.budget_for(floor.peak_bytes), planner.budget_for(none.peak_bytes)
+    low = planner.budget_for(floor.allocator_peak)
+    high = planner.budget_for(none.allocator_peak)
     title = (f"{planner.profile.model} {cfg.model.get('encoder_name', '')} batch {batch_size}, "
              f"size {size}, {precision}, torch {torch.__version__}, CPU")
     lines = [f"### {title}", "",
-             f"none: traced {format_bytes(none.peak_bytes)}, allocator "
-             f"{format_bytes(none_alloc)}; floor {format_bytes(floor.peak_bytes)} "
-             f"({floor.peak_bytes / none.peak_bytes:.2f}x none); planner setup {setup:.0f} s",
-             "", "| budget | plan traced | plan allocator | alloc / traced | fits | plan FLOPs "
-             "x none | best fixed that fits (FLOPs x none) | lower | grads = none | plan s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"none: traced {format_bytes(none.peak_bytes)}, predicted allocator "
+             f"{format_bytes(none.allocator_peak)}, allocator {format_bytes(none_alloc)} "
+             f"({none_alloc / none.allocator_peak:.4f}); floor "
+             f"{format_bytes(floor.allocator_peak)} ({floor.allocator_peak / none_alloc:.2f}x "
+             f"none); margin {planner.margin:.3f}; planner setup {setup:.0f} s",
+             "", "| budget | plan traced | plan predicted (allocator) | plan allocator | "
+             "allocator / predicted | fits | plan FLOPs x none | best fixed that fits (FLOPs x "
+             "none) | lower | grads = none | plan s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     strictly = 0
     for i in range(args.budgets):
         budget = low + (high - low) * i // max(1, args.budgets - 1)
@@ -145,15 +149,17 @@ def main(argv: list[str]) -> None:
         strictly += lower
         ratio = 1 + plan.recompute_flops / none.step_flops
         best_text = (f"{best[0]} {1 + best[1] / none.step_flops:.3f}" if best else "none fits")
+        predicted = plan.predicted_allocator_peak_bytes
         lines.append(f"| {format_bytes(budget)} | {format_bytes(plan.predicted_peak_bytes)} | "
-                     f"{format_bytes(alloc)} | {alloc / plan.predicted_peak_bytes:.3f} | "
+                     f"{format_bytes(predicted)} | {format_bytes(alloc)} | "
+                     f"{alloc / predicted:.4f} | "
                      f"{'yes' if alloc <= budget else 'NO'} | {ratio:.3f} | {best_text} | "
                      f"{'yes' if lower else ('-' if best is None else 'no')}"
                      f"{'' if not_above else ' ABOVE'} | {'yes' if parity.match else 'NO'} "
                      f"({parity.max_abs_diff:.1e}) | {seconds:.0f} |")
     lines += ["", f"strictly lower recompute FLOPs than every fitting fixed strategy at "
               f"{strictly} of {args.budgets} budgets", "", "fixed strategies (allocator peak "
-              "/ traced peak / FLOPs x none): "
+              "/ predicted allocator peak / FLOPs x none): "
               + ", ".join(f"{lab} {format_bytes(pk)} / {format_bytes(tr)} / "
                           f"{1 + fl / none.step_flops:.3f}" for lab, pk, fl, tr in fixed), ""]
     text = "\n".join(lines)

@@ -152,16 +152,23 @@ def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> li
                 continue
             extra = max(0, traced.step_flops - planner.none.step_flops)
             full_label = f"{label} ({stages_label})" if name != "none" else "none"
-            points.append(Point("fixed", full_label, None, traced.peak_bytes, extra,
+            points.append(Point("fixed", full_label, None, traced.allocator_peak, extra,
                                 1 + extra / max(planner.none.step_flops, 1),
                                 1.0 if name == "none" else modelled.get(full_label)))
     return points
 
 
+def _margin(cfg: DictConfig) -> float | None:
+    """``margin`` of the config; null: the planner's default for the device."""
+    value = cfg.get("margin")
+    return None if value is None else float(value)
+
+
 def frontier(planner: Planner, count: int) -> list[Point]:
     """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none."""
     _, floor = planner.floor()
-    low, high = planner.budget_for(floor.peak_bytes), planner.budget_for(planner.none.peak_bytes)
+    low = planner.budget_for(floor.allocator_peak)
+    high = planner.budget_for(planner.none.allocator_peak)
     points = []
     for i in range(count):
         budget = low + (high - low) * i // max(1, count - 1)
@@ -171,7 +178,7 @@ def frontier(planner: Planner, count: int) -> list[Point]:
             points.append(Point("plan", "plan", budget, None, None, None, None,
                                 str(err).splitlines()[0]))
             continue
-        points.append(Point("plan", "plan", budget, plan.predicted_peak_bytes,
+        points.append(Point("plan", "plan", budget, plan.predicted_allocator_peak_bytes,
                             plan.recompute_flops,
                             1 + plan.recompute_flops / max(plan.step_flops, 1),
                             plan.predicted_overhead))
@@ -244,7 +251,7 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str
         row: dict[str, Any] = {"micro_batch": micro, "accumulate_grad_batches": accumulate}
         try:
             planner = Planner(build, micro, size, precision, accumulate, device=cfg.device,
-                              units=cfg.get("units"), margin=float(cfg.margin),
+                              units=cfg.get("units"), margin=_margin(cfg),
                               objective=str(cfg.get("objective", "time")),
                               default_stages=list(cfg.model.get("stages") or []), key="",
                               world_size=sharding.world_size,
@@ -255,7 +262,7 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str
             rows.append(row)
             continue
         step_s = planner.profile.step_time * plan.predicted_overhead * accumulate
-        row.update(fits=True, peak_bytes=plan.predicted_peak_bytes,
+        row.update(fits=True, peak_bytes=plan.predicted_allocator_peak_bytes,
                    overhead=plan.predicted_overhead, samples_per_s=effective / step_s,
                    plan=plan.summary())
         rows.append(row)
@@ -273,7 +280,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     build, batch_size, size, precision, accumulate = run_shape_of(cfg)
     sharding = run_shape.sharding_of(cfg)
     planner = Planner(build, batch_size, size, precision, accumulate, device=cfg.device,
-                      units=cfg.get("units"), margin=float(cfg.margin),
+                      units=cfg.get("units"), margin=_margin(cfg),
                       max_traces=int(cfg.get("max_traces", 6)),
                       objective=str(cfg.get("objective", "time")),
                       default_stages=list(cfg.model.get("stages") or []),
@@ -286,14 +293,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             + (f", one of {sharding.world_size} FSDP2 ranks" if sharding.world_size > 1 else "")
             + f", on {spec.title} ({spec.name}; {spec.source})")
     print(head)
-    result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes}
+    result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes,
+                              "none_allocator_peak_bytes": planner.none.allocator_peak}
     if cfg.get("memory") is not None:
         planned = planner.plan(cfg.memory)
         plan = planned.plan
         plan.save(out / "plan.json")
         print(f"budget {format_bytes(plan.budget_bytes)} (margin {format_bytes(plan.margin_bytes)}"
-              f"): predicted peak {format_bytes(plan.predicted_peak_bytes)} (none "
-              f"{format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
+              f"): predicted peak {format_bytes(plan.predicted_allocator_peak_bytes)} with the "
+              f"batch and kernel temporaries, {format_bytes(plan.predicted_peak_bytes)} in "
+              f"tensors (none {format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
               f"{1 + plan.recompute_flops / max(plan.step_flops, 1):.3f} of none, modelled "
               f"step time x{plan.predicted_overhead:.3f} (planned in "
               f"{planned.seconds + planner.setup_seconds:.1f} s)")

@@ -36,14 +36,16 @@ def _real_peak(build, strategy, planner):
 def test_plans_fit_their_budgets_as_traced_and_as_measured(gpt):
     planner, build = gpt
     plan_floor, floor = planner.floor()
-    none = planner.none.peak_bytes
-    assert floor.peak_bytes < 0.8 * none  # checkpointing the chain saves memory here
+    none = planner.none.allocator_peak
+    assert floor.allocator_peak < 0.8 * none  # checkpointing the chain saves memory here
     seen = set()
     for frac in (0.25, 0.6, 0.95):
-        allowed = int(floor.peak_bytes + frac * (none - floor.peak_bytes))
+        allowed = int(floor.allocator_peak + frac * (none - floor.allocator_peak))
         budget = planner.budget_for(allowed)
         plan = planner.plan(budget).plan
-        assert plan.predicted_peak_bytes <= budget - plan.margin_bytes
+        # the allocator's peak (tensors, the batch, kernel temporaries) is what must fit
+        assert plan.predicted_peak_bytes < plan.predicted_allocator_peak_bytes
+        assert plan.predicted_allocator_peak_bytes <= budget - plan.margin_bytes
         assert plan.margin_bytes == planner.margin_for(budget) == int(budget * planner.margin)
         measured = _real_peak(build, PlanStrategy(plan), planner)
         # the fake trace is the real step's MemTracker peak
@@ -52,8 +54,8 @@ def test_plans_fit_their_budgets_as_traced_and_as_measured(gpt):
         seen.add(plan.summary())
     assert len(seen) >= 2  # different budgets give different plans
     # a larger budget never costs more recompute
-    flops = [planner.plan(planner.budget_for(int(floor.peak_bytes + f * (
-        none - floor.peak_bytes)))).plan.recompute_flops
+    flops = [planner.plan(planner.budget_for(int(floor.allocator_peak + f * (
+        none - floor.allocator_peak)))).plan.recompute_flops
              for f in (0.25, 0.95)]
     assert flops[0] >= flops[1]
 
@@ -62,16 +64,16 @@ def test_plan_beats_or_equals_fixed_strategies_that_fit(gpt):
     planner, _ = gpt
     for _, ref in planner.references(["blocks"]):
         traced = planner.trace(PlanStrategy(ref))
-        budget = planner.budget_for(traced.peak_bytes)
+        budget = planner.budget_for(traced.allocator_peak)
         plan = planner.plan(budget).plan
-        assert plan.predicted_peak_bytes <= traced.peak_bytes
+        assert plan.predicted_allocator_peak_bytes <= traced.allocator_peak
         assert planner.modelled_cost(plan) <= planner.modelled_cost(ref) + 1e-12
 
 
 def test_plan_computes_the_same_function(gpt):
     planner, build = gpt
     plan_floor, _ = planner.floor()
-    mixed = planner.plan(planner.budget_for(int(0.97 * planner.none.peak_bytes))).plan
+    mixed = planner.plan(planner.budget_for(int(0.97 * planner.none.allocator_peak))).plan
     ref_model = build(NoCheckpoint())
     for plan in (plan_floor, mixed):
         model = build(PlanStrategy(plan))
@@ -124,7 +126,7 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
     planner, _ = gpt
     _, floor = planner.floor()
     with pytest.raises(InfeasibleBudget) as err:
-        planner.plan(int(floor.peak_bytes * 0.97))
+        planner.plan(int(floor.allocator_peak * 0.97))
     text = str(err.value)
     assert "no plan fits" in text and "smallest peak" in text
     assert "parameters" in text and "optimizer_state" in text

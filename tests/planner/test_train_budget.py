@@ -99,9 +99,11 @@ def test_plan_cli_frontier_files(tmp_path):
     assert len(plans) == 2 and len(rows) == 3
     assert (tmp_path / "frontier.png").stat().st_size > 1000
     # the first budget is the floor's: its plan recomputes, the last (none's peak) does not
-    assert plans[0]["peak_bytes"] <= plans[0]["budget_bytes"] * (1 - 0.02)  # no conv: margin only
+    # planned for this CPU: kernel temporaries measured, 0.5% margin
+    assert plans[0]["peak_bytes"] <= plans[0]["budget_bytes"] * (1 - 0.005)
     assert plans[0]["flops_ratio"] > 1.0 and plans[-1]["flops_ratio"] == 1.0
-    assert plans[-1]["peak_bytes"] == result["none_peak_bytes"]
+    assert plans[-1]["peak_bytes"] == result["none_allocator_peak_bytes"]
+    assert result["none_allocator_peak_bytes"] > result["none_peak_bytes"]  # + the batch
 
 
 @pytest.mark.slow

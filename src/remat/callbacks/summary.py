@@ -151,7 +151,13 @@ def _plan_of(pl_module: Any, memory: Any) -> dict[str, Any] | None:
         return None
     out = plan.to_dict()
     out["measured_peak_bytes"] = getattr(memory, "peak_bytes", None)
-    predicted, measured = out.get("predicted_peak_bytes"), out["measured_peak_bytes"]
+    # on CUDA the run measures the allocator (batch and kernel buffers included), on the
+    # CPU the tensors (MemTracker): each beside the prediction of the same thing
+    allocator = getattr(memory, "reserved_bytes", None) is not None
+    out["measured_peak_kind"] = "allocator" if allocator else "tensors"
+    predicted = out.get("predicted_allocator_peak_bytes" if allocator
+                        else "predicted_peak_bytes")
+    measured = out["measured_peak_bytes"]
     out["measured_over_predicted"] = (measured / predicted if predicted and measured
                                       else None)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,12 +37,29 @@ def _global_peak_tracker_class() -> type:
 
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
+    from torch._guards import active_fake_mode
+
     class _GlobalPeakTracker(MemTracker):
+        # kernel temporaries (remat.measure.kernels.KernelTemporaries) and the highest the
+        # held tensors plus one operator's temporaries reached
+        temporaries = None
+        kernel_peak = 0
+
         def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 (MemTracker's API)
             for dev, dev_snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = super().__torch_dispatch__(func, types, args, kwargs)
+            if (self.temporaries and res is not NotImplemented
+                    and active_fake_mode() is self._fake_mode_on_entry):
+                extra = self.temporaries(func, args, kwargs or {})
+                if extra:
+                    held = sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+                    self.kernel_peak = max(self.kernel_peak, held + extra)
+            return res
 
     return _GlobalPeakTracker
 
@@ -70,8 +88,12 @@ class PeakMemory:
         split: whether the per-category split is meaningful (see above).
         tracker: ``"auto"`` (MemTracker on CPU, allocator on CUDA) or ``"memtracker"``
             (MemTracker on any device; needed for fake tensors, which the allocator never sees).
+        temporaries: MemTracker only: measured kernel temporaries
+            (:class:`remat.measure.kernels.KernelTemporaries`); after each operator its
+            temporaries are added to the bytes then held, giving ``allocator_peak_bytes``.
 
-    After the block: ``peak_bytes`` (int), ``reserved_bytes`` (CUDA allocator only, else
+    After the block: ``peak_bytes`` (int), ``allocator_peak_bytes`` (``peak_bytes`` or, with
+    ``temporaries``, the higher peak with them), ``reserved_bytes`` (CUDA allocator only, else
     ``None``), ``breakdown`` (MemTracker name -> bytes at the peak, ``{"Total": ...}`` on
     CUDA) and :attr:`categories`.
 
@@ -81,7 +103,7 @@ class PeakMemory:
 
     def __init__(self, device: torch.device | str, modules: Iterable[nn.Module] = (),
                  optimizers: Iterable[torch.optim.Optimizer] = (), split: bool = True,
-                 tracker: str = "auto") -> None:
+                 tracker: str = "auto", temporaries: Any = None) -> None:
         if tracker not in ("auto", "memtracker"):
             raise ValueError(f"PeakMemory: tracker must be 'auto' or 'memtracker', got "
                              f"{tracker!r}")
@@ -90,7 +112,9 @@ class PeakMemory:
         self.optimizers = list(optimizers)
         self.split = split
         self.use_allocator = tracker == "auto" and self.device.type == "cuda"
+        self.temporaries = temporaries
         self.peak_bytes: int | None = None
+        self.allocator_peak_bytes: int | None = None
         self.reserved_bytes: int | None = None
         self.breakdown: dict[str, int] = {}
         self._stack = ExitStack()
@@ -102,6 +126,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._tracker = _global_peak_tracker_class()()
+            self._tracker.temporaries = self.temporaries
             self._tracker.track_external(*self.modules, *self.optimizers)
             self._stack.enter_context(self._tracker)
         return self
@@ -112,6 +137,7 @@ class PeakMemory:
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             self.reserved_bytes = int(torch.cuda.max_memory_reserved(self.device))
             self.breakdown = {"Total": self.peak_bytes}
+            self.allocator_peak_bytes = self.peak_bytes
             return
         self._stack.close()
         snapshot = self._tracker.get_tracker_snapshot("peak")
@@ -122,6 +148,7 @@ class PeakMemory:
                 totals[name] = totals.get(name, 0) + int(value)
         self.breakdown = totals
         self.peak_bytes = totals.get("Total", 0)
+        self.allocator_peak_bytes = max(self.peak_bytes, int(self._tracker.kernel_peak))
         self._tracker = None
 
     @property

@@ -127,12 +127,13 @@ def _batch(model: nn.Module, batch_size: int, size: int | tuple[int, int],
 
 def _micro_peak(model: nn.Module, batch: dict[str, torch.Tensor],
                 optimizer: torch.optim.Optimizer, device: torch.device, precision: str,
-                zero_grad: bool, step: bool, loss_scale: float) -> PeakMemory:
+                zero_grad: bool, step: bool, loss_scale: float,
+                temporaries: Any = None) -> PeakMemory:
     """Peak of one training batch in Lightning's automatic-optimization order: forward and
     loss (scaled by ``loss_scale``), ``zero_grad`` if asked (after the forward, as
     Lightning's ``Closure``), backward, optimizer step if asked; MemTracker over all of it."""
     with PeakMemory(device, modules=[model], optimizers=[optimizer],
-                    tracker="memtracker") as peak:
+                    tracker="memtracker", temporaries=temporaries) as peak:
         with autocast(device, precision):
             loss = model.training_loss(batch)
             if loss_scale != 1.0:
@@ -143,6 +144,11 @@ def _micro_peak(model: nn.Module, batch: dict[str, torch.Tensor],
         if step:
             optimizer.step()
         del loss
+    # the batch is made before the tracker starts (the tensor-level peak, as training's
+    # PeakMemoryMonitor measures it, leaves it out); the allocator holds it throughout
+    peak.allocator_peak_bytes += sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                                      for t in batch.values()
+                                      if isinstance(t, torch.Tensor)}.values())
     return peak
 
 
@@ -164,8 +170,8 @@ def _step_flops(model: nn.Module, batch: dict[str, torch.Tensor],
 def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
             device: torch.device, precision: str, fake: bool = True,
             accumulate_grad_batches: int = 1, count_flops: bool = False,
-            world_size: int = 1, rank: int = 0, reshard_after_forward: bool = True
-            ) -> Callable[[], tuple[str, Any]]:
+            world_size: int = 1, rank: int = 0, reshard_after_forward: bool = True,
+            temporaries: Any = None) -> Callable[[], tuple[str, Any]]:
     """The work of :func:`trace_step`, to run in a child: build the model (``build()``, with
     strategy applied) and measure two optimizer steps; the largest peak of their batches is
     returned.
@@ -203,6 +209,9 @@ def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[i
     and optimizer-state shards and each FSDP unit's gathered parameters while it runs;
     ``batch_size`` is the per-rank batch. Needs a process without a process group (the
     forked child of :func:`trace_step` is one unless its parent had one).
+    ``temporaries`` (:class:`remat.measure.kernels.KernelTemporaries`, measured on the
+    device) adds each operator's kernel temporaries: the returned peak's
+    ``allocator_peak_bytes`` is then the highest of the batches' peaks with them.
     Returns ``(strategy name, PeakMemory)``.
     """
     if world_size > 1:
@@ -220,10 +229,11 @@ def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[i
                 if count_flops and flops is None:
                     flops = _step_flops(model, batch, optimizer, precision, device)
                 peaks.append(_micro_peak(model, batch, optimizer, device, precision,
-                                         zero_grad, step, scale))
+                                         zero_grad, step, scale, temporaries))
                 del batch
         peak = max(peaks, key=lambda p: p.peak_bytes)
         peak.step_flops = flops
+        peak.allocator_peak_bytes = max(p.allocator_peak_bytes for p in peaks)
         for p in peaks:
             p.modules, p.optimizers = [], []  # keep no fake tensor alive past the mode
         return model.strategy_report.strategy, peak

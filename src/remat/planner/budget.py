@@ -31,8 +31,9 @@ class BudgetStrategy(CheckpointStrategy):
         device: the device planned for: ``auto`` (the one present), a name
             (:data:`remat.planner.DEVICES`: ``h100``, ``a100_80gb``, ``l4``, ...), ``cpu``, or
             a mapping of figures (see :func:`remat.planner.get_device`).
-        margin: fraction of the budget kept free for allocator temporaries and rounding
-            (the largest convolution tensor is kept free as well).
+        margin: fraction of the budget kept free for what the trace does not see; ``None``:
+            0.5% where kernel temporaries are measured (planning for this CPU), else 2% and
+            the largest convolution tensor (see :class:`remat.planner.Planner`).
         units: candidate unit paths (globs); ``None``: the whole network.
         max_traces: traced plans per budget before the best one is taken.
         objective: ``time`` (modelled recompute time on ``device``) or ``flops``.
@@ -47,17 +48,17 @@ class BudgetStrategy(CheckpointStrategy):
     needs_plan = True
     recomputes = True
 
-    def __init__(self, memory: Any = 0.8, device: Any = "auto", margin: float = 0.02,
+    def __init__(self, memory: Any = 0.8, device: Any = "auto", margin: float | None = None,
                  units: Sequence[str] | None = None, max_traces: int = 6,
                  objective: str = "time", calibrate: bool = False) -> None:
-        check_options(objective, margin)
+        check_options(objective, 0.0 if margin is None else margin)
         self.calibrate = bool(calibrate)
         self.objective = objective
         self.spec = get_device(device)
         self.memory = memory
         self.budget_bytes = parse_memory(memory, self.spec.memory_bytes or None)
         self.device = device if isinstance(device, str) else self.spec.name
-        self.margin = float(margin)
+        self.margin = None if margin is None else float(margin)
         self.units = list(units) if units else None
         self.max_traces = int(max_traces)
 

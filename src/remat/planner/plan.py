@@ -55,7 +55,10 @@ class Plan:
         world_size: FSDP2 ranks planned for (1: not sharded); the peaks are one rank's.
         device: name of the device planned for; ``budget_bytes``: the budget.
         predicted_peak_bytes: traced (FakeTensorMode + MemTracker) peak of a training step
-            with this plan; ``margin_bytes``: what was kept free for allocator temporaries.
+            with this plan (tensors: what training's peak-memory monitor measures);
+            ``predicted_allocator_peak_bytes``: that peak with the batch and, where
+            measured, the kernel temporaries (what the allocator reaches; the budget holds
+            it plus ``margin_bytes``, kept free for what is not measured).
         none_peak_bytes: the same trace without checkpointing.
         recompute_flops: FLOPs the plan adds to a step (traced, exact); ``step_flops``: a
             step's FLOPs without checkpointing.
@@ -74,6 +77,7 @@ class Plan:
     device: str = ""
     budget_bytes: int = 0
     predicted_peak_bytes: int = 0
+    predicted_allocator_peak_bytes: int = 0
     margin_bytes: int = 0
     none_peak_bytes: int = 0
     recompute_flops: int = 0

@@ -35,9 +35,8 @@ def _global_peak_tracker_class() -> type:
     """
     from copy import deepcopy
 
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-
     from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class _GlobalPeakTracker(MemTracker):
         # kernel temporaries (remat.measure.kernels.KernelTemporaries) and the highest the

@@ -373,16 +373,17 @@ class Planner:
         if self.none.allocator_peak <= allowed:
             plan = self._plan_of({u.path: self._option(u.path, keep_segments(len(u.blocks)))
                                   for u in self.profile.units})
-            return Planned(self._finish(plan, self.none, budget, margin), self.none.allocator_peak,
-                           [], time.perf_counter() - start)
+            return Planned(self._finish(plan, self.none, budget, margin),
+                           self.none.allocator_peak, [], time.perf_counter() - start)
         floor_plan, floor = self.floor()
         if floor.allocator_peak > allowed:
             raise InfeasibleBudget(self.infeasible_message(budget, margin, floor_plan, floor))
         # the additive model is calibrated on two traced points, none and the floor plan:
         # modelled bytes per traced byte between them
         modelled_floor = self.modelled(floor_plan)
-        scale = ((self.none.allocator_peak - modelled_floor) / (self.none.allocator_peak - floor.allocator_peak)
-                 if self.none.allocator_peak > floor.allocator_peak else 1.0)
+        none_peak = self.none.allocator_peak
+        scale = ((none_peak - modelled_floor) / (none_peak - floor.allocator_peak)
+                 if none_peak > floor.allocator_peak else 1.0)
         target = max(modelled_floor, int(self.none.allocator_peak
                                          - (self.none.allocator_peak - allowed) * scale))
         traces: list[tuple[int, int, float]] = []

@@ -378,14 +378,14 @@ class Planner:
         floor_plan, floor = self.floor()
         if floor.allocator_peak > allowed:
             raise InfeasibleBudget(self.infeasible_message(budget, margin, floor_plan, floor))
-        # the additive model is calibrated on two traced points, none and the floor plan:
-        # modelled bytes per traced byte between them
+        # the additive model (tensor bytes; none's is its trace) is calibrated on two traced
+        # points, none and the floor plan: modelled bytes per traced allocator byte
         modelled_floor = self.modelled(floor_plan)
         none_peak = self.none.allocator_peak
-        scale = ((none_peak - modelled_floor) / (none_peak - floor.allocator_peak)
+        scale = ((self.none.peak_bytes - modelled_floor) / (none_peak - floor.allocator_peak)
                  if none_peak > floor.allocator_peak else 1.0)
-        target = max(modelled_floor, int(self.none.allocator_peak
-                                         - (self.none.allocator_peak - allowed) * scale))
+        target = max(modelled_floor, int(self.none.peak_bytes
+                                         - (none_peak - allowed) * scale))
         traces: list[tuple[int, int, float]] = []
         pool: list[tuple[Plan, Traced]] = [(floor_plan, floor)]
         # bracket on the modelled target: (target, traced peak) of the best fitting and the
@@ -401,7 +401,7 @@ class Planner:
             found = best_plan(self.frontiers, self.base, target, self.granularity,
                               self.release)
             if found is None:
-                target = (target + (high[0] if high else self.none.allocator_peak)) // 2
+                target = (target + (high[0] if high else self.none.peak_bytes)) // 2
                 continue
             modelled_time, _, choice = found
             plan = self._plan_of(choice)

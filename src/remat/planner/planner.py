@@ -7,11 +7,16 @@ MemTracker, two optimizer steps, as ``remat.estimate``) and corrects the search'
 what the trace shows, until the traced peak plus the margin fits the budget. Every plan
 returned has been traced; its ``predicted_peak_bytes`` is that trace.
 
-The margin covers what a tensor-level trace cannot see: temporaries inside backward kernels
-(on this CPU 36 MiB inside ``convolution_backward`` of a U-Net-R34 at 512 px, 4% of its
-peak, seen by ``torch.profiler`` memory events: about the largest convolution tensor, which
-is kept free) plus ``margin`` of the budget (default 2%: on CUDA, kernel workspaces and the
-allocator's 512-byte rounding).
+A budget must hold what the *allocator* reaches, not only the tensors a tensor-level trace
+sees: the batch, and the buffers kernels allocate and free inside one call (oneDNN's
+reorders on this CPU: 36 MiB of 930 MiB inside ``convolution_backward`` of a U-Net-R34 at
+512 px, seen by ``torch.profiler`` memory events). Planning for this CPU, each operator
+call of the step is run once for real and its temporaries measured
+(:mod:`remat.measure.kernels`); every trace adds them after each operator, so a plan's
+``predicted_allocator_peak_bytes`` is the allocator's peak, and only ``margin`` (default
+0.5%) is kept free. Planning for a GPU on a CPU, they cannot be measured: the margin is 2%
+(cuDNN/cuBLAS workspaces, the caching allocator's rounding) plus the largest convolution
+tensor.
 """
 
 from __future__ import annotations
@@ -153,8 +158,13 @@ class Planner:
         device: a device name, mapping or :class:`DeviceSpec` (see
             :func:`remat.planner.devices.get_device`).
         units: candidate unit paths (globs), or ``None`` for the whole network.
-        margin: fraction of the budget kept free for allocator temporaries and rounding;
-            the largest convolution tensor is kept free as well.
+        margin: fraction of the budget kept free for what the trace does not see;
+            ``None``: :data:`MEASURED_MARGIN` where kernel temporaries are measured, else
+            :data:`DEFAULT_MARGIN`, and then the largest convolution tensor as well.
+        temporaries: measure each operator call's kernel temporaries on this CPU and trace
+            the allocator's peak with them (:mod:`remat.measure.kernels`; runs every
+            operator of a step once, for real, at the planned size); ``None``: when
+            planning for the CPU (``device=cpu``, or ``auto`` without a GPU).
         max_traces: traces per budget before giving the best one found.
         max_segment: longest recompute segment (blocks).
         objective: ``time`` (modelled recompute time) or ``flops``.

@@ -70,7 +70,8 @@ def _nbytes(values: Iterable[Any]) -> int:
 
 def signature(func: Any, args: tuple, kwargs: dict) -> tuple:
     """A hashable key of an operator call: its name, and its arguments with each tensor
-    replaced by its shape, strides and dtype (:class:`TensorSpec`)."""
+    replaced by its shape, strides and dtype (:class:`TensorSpec`; the arguments may be
+    specs already)."""
     flat, _ = tree_flatten((args, kwargs))
     return (str(func), tuple(_hashable(_spec(v)) for v in flat))
 
@@ -87,7 +88,8 @@ def _hashable(value: Any) -> Any:
 
 @dataclass
 class Call:
-    """One recorded operator call: the operator and its arguments as specs."""
+    """One recorded operator call: the operator (or its name, ``aten.mm.default``) and its
+    arguments as specs."""
 
     func: Any
     args: tuple
@@ -213,7 +215,8 @@ def measure_temporaries(calls: Iterable[Call], device: torch.device | str = "cpu
     inside the call; on CUDA from the caching allocator's peak counter.
     """
     device = torch.device(device)
-    calls = list(calls)
+    calls = [Call(_operator(c.func), c.args, c.kwargs) if isinstance(c.func, str) else c
+             for c in calls]
     with torch.no_grad():
         found = (_measure_cuda(calls, device, repeats) if device.type == "cuda"
                  else _measure_cpu(calls, repeats))
@@ -252,24 +255,23 @@ class KernelTemporaries:
         return bool(self.table)
 
 
-def temporaries_fn(build: Callable[[], torch.nn.Module], batch_size: int, size: Any,
-                   precision: str, device: torch.device | str = "cpu",
-                   min_bytes: int = MIN_BYTES) -> Callable[[], KernelTemporaries]:
-    """The work of measuring a model's kernel temporaries, to run in a forked child
+def signatures_fn(build: Callable[[], torch.nn.Module], batch_size: int, size: Any,
+                  precision: str, device: torch.device | str = "cpu",
+                  min_bytes: int = MIN_BYTES) -> Callable[[], list[Call]]:
+    """The work of listing a model's operator calls, to run in a forked child
     (:func:`remat.measure.trace.in_children`): two fake training steps of ``build()``
     (forward, loss, backward, optimizer step; ``build`` without checkpointing: a recompute
     runs the forward's operators again, so a plan calls nothing new) give the distinct
-    operator calls (:func:`record_signatures`), and each is measured for real on
-    ``device`` at the traced size (:func:`measure_temporaries`), with the thread count of
-    the process that made this job (a kernel's buffers can depend on it).
+    operator calls (:func:`record_signatures`), returned picklable (operators by name).
+    Measure them with :func:`measure_temporaries` in a process that may run kernels on
+    several threads (not a forked child: OpenMP's thread pool does not survive a fork).
     """
     from remat.measure.step import autocast
     from remat.measure.trace import _batch, _optimizer, built_fn
 
     device = torch.device(device)
-    threads = torch.get_num_threads()
 
-    def steps(model: torch.nn.Module) -> dict[tuple, Call]:
+    def steps(model: torch.nn.Module) -> list[Call]:
         model.train()
         optimizer = _optimizer(model)
 
@@ -283,12 +285,13 @@ def temporaries_fn(build: Callable[[], torch.nn.Module], batch_size: int, size: 
                 optimizer.step()
                 del loss, batch
 
-        return record_signatures(work, min_bytes)[1]
+        calls = record_signatures(work, min_bytes)[1]
+        return [Call(str(c.func), c.args, c.kwargs) for c in calls.values()]
 
-    def job() -> KernelTemporaries:
-        calls = built_fn(build, steps, device, fake=True)()
-        torch.set_num_threads(threads)
-        return KernelTemporaries(measure_temporaries(calls.values(), device),
-                                 device=device.type)
+    return built_fn(build, steps, device, fake=True)
 
-    return job
+
+def _operator(name: str) -> Any:
+    """``aten.convolution_backward.default`` -> the operator overload."""
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from remat.measure import format_bytes
-from remat.measure.kernels import KernelTemporaries, temporaries_fn
+from remat.measure.kernels import KernelTemporaries, measure_temporaries, signatures_fn
 from remat.measure.trace import built_fn, in_children, step_fn, trace_steps
 from remat.planner.devices import DeviceSpec, get_device
 from remat.planner.memory import parse_memory
@@ -211,9 +211,11 @@ class Planner:
             self.units_paths, self.spec, batch_size, size, precision), torch.device("cpu"))
         self.temporaries: KernelTemporaries | None = None
         if self.measured:
-            # the profile and the kernel temporaries side by side, then none with them
-            profile, self.temporaries = in_children([profile_job, temporaries_fn(
+            # the profile and the step's operator calls side by side (fake), the calls' kernel
+            # temporaries measured here (real kernels, this process's threads), then none
+            profile, calls = in_children([profile_job, signatures_fn(
                 lambda: build(NoCheckpoint()), batch_size, size, precision)])
+            self.temporaries = KernelTemporaries(measure_temporaries(calls), device="cpu")
             none = in_children([step_fn(**self._job(NoCheckpoint()))])[0]
         else:  # the profile and the trace of none, side by side
             profile, none = in_children([profile_job, step_fn(**self._job(NoCheckpoint()))])

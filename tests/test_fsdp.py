@@ -19,8 +19,12 @@ from tests.fsdp_script import MEMORY_BATCH, STEPS, memory_module, run_case
 
 SCRIPT = Path(__file__).with_name("fsdp_script.py")
 STRATEGIES = ["none", "full", "sqrtn", "every_k", "selective", "offload", "compile"]
+# compiled code is checked in fp32 without accumulation only: each compiled case costs the
+# launch a compile on both ranks (about 5 s), and accumulation and bf16 are the eager
+# strategies' concern (the compiled graph is the same)
 CASES = [f"{s}:{a}:{p}" for s in STRATEGIES
-         for a, p in ((1, "32-true"), (2, "32-true"), (1, "bf16-mixed"))]
+         for a, p in ((1, "32-true"), (2, "32-true"), (1, "bf16-mixed"))
+         if s != "compile" or (a, p) == (1, "32-true")]
 MEMORY = ["memory:none", "memory:sqrtn", "memory:selective"]
 NORMS = ["bn:none", "bn:full", "bn:sqrtn", "bn:selective", "bn:offload"]
 
@@ -78,17 +82,13 @@ def test_fsdp_gradients_equal_single_process_full_batch(runs, case):
         return
     # bf16-mixed: one process on the whole batch rounds differently from two on halves
     # (measured 0.2-0.6 % of the gradient norm); every eager strategy equals FSDP `none`
-    # bit for bit, compiled code within bf16 rounding
+    # bit for bit
     single = references["none:1:bf16-mixed"]
     sharded_none = results["none:1:bf16-mixed"][0]
     for step in range(STEPS):
         ours, ref = _flat(rank0["grads"][step]), _flat(single["grads"][step])
         assert ((ours - ref).norm() / ref.norm()).item() < 2e-2, f"step {step}"
-        base = _flat(sharded_none["grads"][step])
-        if strategy == "compile":
-            assert ((ours - base).norm() / base.norm()).item() < 1e-3, f"step {step}"
-        else:
-            assert torch.equal(ours, base), f"step {step}"
+        assert torch.equal(ours, _flat(sharded_none["grads"][step])), f"step {step}"
 
 
 @pytest.mark.parametrize("case", MEMORY)

@@ -80,10 +80,11 @@ class BudgetStrategy(CheckpointStrategy):
                             accumulate_grad_batches=accumulate_grad_batches,
                             world_size=world_size, reshard_after_forward=reshard_after_forward)
         plan = planned.plan
-        log.info("plan for %s on %s (%.1f s): predicted peak %s (none %s), recompute FLOPs "
-                 "x%.3f of none, modelled step time x%.3f\n%s", format_bytes(self.budget_bytes),
-                 self.spec.name, planned.seconds, format_bytes(plan.predicted_peak_bytes),
-                 format_bytes(plan.none_peak_bytes),
+        log.info("plan for %s on %s (%.1f s): predicted peak %s (allocator; tensors %s, "
+                 "none %s), recompute FLOPs x%.3f of none, modelled step time x%.3f\n%s",
+                 format_bytes(self.budget_bytes), self.spec.name, planned.seconds,
+                 format_bytes(plan.predicted_allocator_peak_bytes),
+                 format_bytes(plan.predicted_peak_bytes), format_bytes(plan.none_peak_bytes),
                  1 + plan.recompute_flops / max(plan.step_flops, 1), plan.predicted_overhead,
                  plan.summary())
         strategy = PlanStrategy(plan)

@@ -1,15 +1,19 @@
 """Plans fit their budgets at the trace level, as measured, and compute the same function."""
 
 import json
+import math
+import re
 
 import pytest
 import torch
 from omegaconf import open_dict
 
 from remat.estimate import build_from_config
+from remat.measure import format_bytes
 from remat.measure.parity import compare_gradients, gradients_of
 from remat.measure.trace import trace_step
 from remat.planner import InfeasibleBudget, Plan, Planner, PlanStrategy
+from remat.planner import planner as planner_module
 from remat.planner.profile import find_candidates
 from remat.strategies import NoCheckpoint, StageError
 from tests.helpers import compose_config
@@ -130,6 +134,44 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
     assert "parameters" in text and "optimizer_state" in text
     assert "largest unit" in text and "bf16-mixed" in text
     assert "data.batch_size=" in text and "data.block_size=" in text
+
+
+def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(tmp_path, monkeypatch):
+    """At 512 tokens activations dominate the tiny GPT: one segment over its 4 blocks is
+    modelled at 3x the floor and not traced. The floor, the plans (same targets, same
+    traces) and the infeasible message are those of a planner that traces every
+    candidate. Roofline device (h100): both planners model the same step times."""
+    cfg = compose_config("estimate", tmp_path, ["model=gpt_tiny", "data.batch_size=2",
+                                                "+data.block_size=512"])
+    build, _, batch, size = build_from_config(cfg)
+
+    def planner():
+        return Planner(build.with_strategy, batch, size, "32-true", device="h100",
+                       max_traces=3, default_stages=["blocks"])
+
+    skipping = planner()
+    plan, floor = skipping.floor()
+    candidates = {repr(p.units): p for p in skipping.floor_candidates()}
+    traced = candidates.keys() & skipping.cache.keys()
+    monkeypatch.setattr(planner_module, "FLOOR_SKIP_RATIO", math.inf)  # trace them all
+    every = planner()
+    every_plan, every_floor = every.floor()
+    assert candidates.keys() <= every.cache.keys()
+    assert len(candidates) == 3 and len(traced) == 2  # block by block, by 2 (= sqrt(4))
+    for key in candidates.keys() - traced:  # one segment: modelled above 2x, traced above
+        assert skipping.modelled(candidates[key]) > 2 * floor.peak_bytes
+        assert every.cache[key].peak_bytes > floor.peak_bytes
+    assert every_floor == floor and every_plan.to_dict() == plan.to_dict()
+    none = skipping.none.peak_bytes
+    for frac in (0.1, 0.5):
+        budget = skipping.budget_for(int(floor.peak_bytes + frac * (none - floor.peak_bytes)))
+        got, want = skipping.plan(budget), every.plan(budget)
+        assert got.plan.to_dict() == want.plan.to_dict() and got.traces == want.traces
+        assert got.floor_bytes == floor.peak_bytes
+    assert candidates.keys() - traced <= every.cache.keys() - skipping.cache.keys()
+    with pytest.raises(InfeasibleBudget, match=re.escape(
+            f"smallest peak any plan reaches is {format_bytes(every_floor.peak_bytes)} ")):
+        skipping.plan(int(floor.peak_bytes * 0.97))
 
 
 def test_candidates_cover_the_whole_network_and_bad_units_are_named():

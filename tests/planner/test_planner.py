@@ -136,18 +136,25 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
     assert "data.batch_size=" in text and "data.block_size=" in text
 
 
-def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(tmp_path, monkeypatch):
-    """At 512 tokens activations dominate the tiny GPT: one segment over its 4 blocks is
-    modelled at 3x the floor and not traced. The floor, the plans (same targets, same
-    traces) and the infeasible message are those of a planner that traces every
-    candidate. Roofline device (h100): both planners model the same step times."""
-    cfg = compose_config("estimate", tmp_path, ["model=gpt_tiny", "data.batch_size=2",
-                                                "+data.block_size=512"])
+@pytest.fixture(scope="module")
+def gpt_long(tmp_path_factory):
+    """The tiny GPT at 512 tokens, where activations dominate its peak."""
+    cfg = compose_config("estimate", tmp_path_factory.mktemp("long"), [
+        "model=gpt_tiny", "data.batch_size=2", "+data.block_size=512"])
     build, _, batch, size = build_from_config(cfg)
+    return build.with_strategy, batch, size
+
+
+def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(gpt_long, monkeypatch):
+    """One segment over the 4 blocks is modelled at 3x the floor and not traced. The
+    floor, the plans (same targets, same traces) and the infeasible message are those of
+    a planner that traces every candidate. Roofline device (h100): both planners model
+    the same step times."""
+    build, batch, size = gpt_long
 
     def planner():
-        return Planner(build.with_strategy, batch, size, "32-true", device="h100",
-                       max_traces=3, default_stages=["blocks"])
+        return Planner(build, batch, size, "32-true", device="h100", max_traces=3,
+                       default_stages=["blocks"])
 
     skipping = planner()
     plan, floor = skipping.floor()
@@ -172,6 +179,28 @@ def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(tmp_path,
     with pytest.raises(InfeasibleBudget, match=re.escape(
             f"smallest peak any plan reaches is {format_bytes(every_floor.peak_bytes)} ")):
         skipping.plan(int(floor.peak_bytes * 0.97))
+
+
+def test_first_plan_is_traced_beside_the_fixed_strategies_modelled_cheaper(gpt_long,
+                                                                          monkeypatch):
+    """Beside the search's first plan, the references :meth:`Planner.plan` would trace at
+    its end if that plan were kept, one per idle CPU: the same traces, made earlier."""
+    build, batch, size = gpt_long
+    planner = Planner(build, batch, size, "32-true", device="h100", max_traces=3,
+                      default_stages=["blocks"])
+    full = planner.floor_candidates()[1]  # block by block: selective is modelled cheaper
+    cheaper = [r for _, r in planner.references(["blocks"])
+               if planner.modelled_cost(r) < planner.modelled_cost(full)]
+    assert cheaper and all(repr(r.units) not in planner.cache for r in cheaper)
+    monkeypatch.setattr(planner_module, "side_by_side", lambda: 2)
+    traced = planner._trace_first(full)
+    first = min(cheaper, key=planner.modelled_cost)
+    assert repr(first.units) in planner.cache and len(planner.cache) == 3  # none, two
+    alone = Planner(build, batch, size, "32-true", device="h100", max_traces=3,
+                    default_stages=["blocks"])
+    monkeypatch.setattr(planner_module, "side_by_side", lambda: 1)
+    assert alone._trace_first(full) == traced and len(alone.cache) == 2
+    assert alone.trace(PlanStrategy(first)) == planner.cache[repr(first.units)]
 
 
 def test_candidates_cover_the_whole_network_and_bad_units_are_named():

@@ -92,6 +92,27 @@ def test_plan_computes_the_same_function(gpt):
     assert any(u.changed for u in mixed.units)
 
 
+def test_frontier_stops_at_the_device_memory(gpt, monkeypatch):
+    """Budgets above the device's memory are refused (gpt_medium at 8192 tokens needs
+    154 GiB without checkpointing, an H100 has 80 GB): the frontier ends there."""
+    import dataclasses
+
+    from remat.plan import frontier
+
+    planner, _ = gpt
+    _, floor = planner.floor()
+    low = planner.budget_for(floor.peak_bytes)
+    device = (low + planner.budget_for(planner.none.peak_bytes)) // 2
+    monkeypatch.setattr(planner, "spec", dataclasses.replace(planner.spec, memory_bytes=device))
+    points = frontier(planner, 3)
+    assert [p.budget_bytes for p in points] == [low, (low + device) // 2, device]
+    assert all(p.peak_bytes is not None and p.peak_bytes < device for p in points)
+    monkeypatch.setattr(planner, "spec", dataclasses.replace(planner.spec,
+                                                             memory_bytes=low - 1))
+    (point,) = frontier(planner, 3)
+    assert point.peak_bytes is None and "more than the device's memory" in point.note
+
+
 def test_plan_file_round_trip_and_replay_checks(gpt, tmp_path):
     planner, build = gpt
     plan, _ = planner.floor()

@@ -165,10 +165,19 @@ def _margin(cfg: DictConfig) -> float | None:
 
 
 def frontier(planner: Planner, count: int) -> list[Point]:
-    """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none."""
+    """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none's, or
+    to the device's memory where none needs more (gpt_medium at 8192 tokens on an H100:
+    154 GiB); one note instead where the floor needs more than the device has."""
     _, floor = planner.floor()
     low = planner.budget_for(floor.allocator_peak)
     high = planner.budget_for(planner.none.allocator_peak)
+    device = planner.spec.memory_bytes
+    if device and high > device:
+        if low > device:
+            return [Point("plan", "plan", low, None, None, None, None,
+                          f"the floor plus margin is more than the device's memory "
+                          f"({format_bytes(device)})")]
+        high = device
     points = []
     for i in range(count):
         budget = low + (high - low) * i // max(1, count - 1)

@@ -1,15 +1,19 @@
 """Plans fit their budgets at the trace level, as measured, and compute the same function."""
 
 import json
+import math
+import re
 
 import pytest
 import torch
 from omegaconf import open_dict
 
 from remat.estimate import build_from_config
+from remat.measure import format_bytes
 from remat.measure.parity import compare_gradients, gradients_of
 from remat.measure.trace import trace_step
 from remat.planner import InfeasibleBudget, Plan, Planner, PlanStrategy
+from remat.planner import planner as planner_module
 from remat.planner.profile import find_candidates
 from remat.strategies import NoCheckpoint, StageError
 from tests.helpers import compose_config
@@ -90,6 +94,27 @@ def test_plan_computes_the_same_function(gpt):
     assert any(u.changed for u in mixed.units)
 
 
+def test_frontier_stops_at_the_device_memory(gpt, monkeypatch):
+    """Budgets above the device's memory are refused (gpt_medium at 8192 tokens needs
+    154 GiB without checkpointing, an H100 has 80 GB): the frontier ends there."""
+    import dataclasses
+
+    from remat.plan import frontier
+
+    planner, _ = gpt
+    _, floor = planner.floor()
+    low = planner.budget_for(floor.allocator_peak)
+    device = (low + planner.budget_for(planner.none.allocator_peak)) // 2
+    monkeypatch.setattr(planner, "spec", dataclasses.replace(planner.spec, memory_bytes=device))
+    points = frontier(planner, 3)
+    assert [p.budget_bytes for p in points] == [low, (low + device) // 2, device]
+    assert all(p.peak_bytes is not None and p.peak_bytes < device for p in points)
+    monkeypatch.setattr(planner, "spec", dataclasses.replace(planner.spec,
+                                                             memory_bytes=low - 1))
+    (point,) = frontier(planner, 3)
+    assert point.peak_bytes is None and "more than the device's memory" in point.note
+
+
 def test_plan_file_round_trip_and_replay_checks(gpt, tmp_path):
     planner, build = gpt
     plan, _ = planner.floor()
@@ -132,6 +157,74 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
     assert "parameters" in text and "optimizer_state" in text
     assert "largest unit" in text and "bf16-mixed" in text
     assert "data.batch_size=" in text and "data.block_size=" in text
+
+
+@pytest.fixture(scope="module")
+def gpt_long(tmp_path_factory):
+    """The tiny GPT at 512 tokens, where activations dominate its peak."""
+    cfg = compose_config("estimate", tmp_path_factory.mktemp("long"), [
+        "model=gpt_tiny", "data.batch_size=2", "+data.block_size=512"])
+    build, _, batch, size = build_from_config(cfg)
+    return build.with_strategy, batch, size
+
+
+def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(gpt_long, monkeypatch):
+    """One segment over the 4 blocks is modelled at 3x the floor and not traced. The
+    floor, the plans (same targets, same traces) and the infeasible message are those of
+    a planner that traces every candidate. Roofline device (h100): both planners model
+    the same step times."""
+    build, batch, size = gpt_long
+
+    def planner():
+        return Planner(build, batch, size, "32-true", device="h100", max_traces=3,
+                       default_stages=["blocks"])
+
+    skipping = planner()
+    plan, floor = skipping.floor()
+    candidates = {repr(p.units): p for p in skipping.floor_candidates()}
+    traced = candidates.keys() & skipping.cache.keys()
+    monkeypatch.setattr(planner_module, "FLOOR_SKIP_RATIO", math.inf)  # trace them all
+    every = planner()
+    every_plan, every_floor = every.floor()
+    assert candidates.keys() <= every.cache.keys()
+    assert len(candidates) == 3 and len(traced) == 2  # block by block, by 2 (= sqrt(4))
+    for key in candidates.keys() - traced:  # one segment: modelled above 2x, traced above
+        assert skipping.modelled(candidates[key]) > 2 * floor.allocator_peak
+        assert every.cache[key].allocator_peak > floor.allocator_peak
+    assert every_floor == floor and every_plan.to_dict() == plan.to_dict()
+    none = skipping.none.allocator_peak
+    for frac in (0.1, 0.5):
+        budget = skipping.budget_for(int(floor.allocator_peak
+                                         + frac * (none - floor.allocator_peak)))
+        got, want = skipping.plan(budget), every.plan(budget)
+        assert got.plan.to_dict() == want.plan.to_dict() and got.traces == want.traces
+        assert got.floor_bytes == floor.allocator_peak
+    assert candidates.keys() - traced <= every.cache.keys() - skipping.cache.keys()
+    with pytest.raises(InfeasibleBudget, match=re.escape(
+            f"smallest peak any plan reaches is {format_bytes(every_floor.allocator_peak)} ")):
+        skipping.plan(int(floor.allocator_peak * 0.97))
+
+
+def test_first_plan_is_traced_beside_the_fixed_strategies_modelled_cheaper(gpt_long,
+                                                                          monkeypatch):
+    """Beside the search's first plan, the references :meth:`Planner.plan` would trace at
+    its end if that plan were kept, one per idle CPU: the same traces, made earlier."""
+    build, batch, size = gpt_long
+    planner = Planner(build, batch, size, "32-true", device="h100", max_traces=3,
+                      default_stages=["blocks"])
+    full = planner.floor_candidates()[1]  # block by block: selective is modelled cheaper
+    cheaper = [r for _, r in planner.references(["blocks"])
+               if planner.modelled_cost(r) < planner.modelled_cost(full)]
+    assert cheaper and all(repr(r.units) not in planner.cache for r in cheaper)
+    monkeypatch.setattr(planner_module, "side_by_side", lambda: 2)
+    traced = planner._trace_first(full)
+    first = min(cheaper, key=planner.modelled_cost)
+    assert repr(first.units) in planner.cache and len(planner.cache) == 3  # none, two
+    alone = Planner(build, batch, size, "32-true", device="h100", max_traces=3,
+                    default_stages=["blocks"])
+    monkeypatch.setattr(planner_module, "side_by_side", lambda: 1)
+    assert alone._trace_first(full) == traced and len(alone.cache) == 2
+    assert alone.trace(PlanStrategy(first)) == planner.cache[repr(first.units)]
 
 
 def test_candidates_cover_the_whole_network_and_bad_units_are_named():

@@ -372,6 +372,17 @@ def _child(fn: Callable[[], Any], read_fd: int, write_fd: int) -> None:
         os._exit(code)
 
 
+def side_by_side() -> int:
+    """How many jobs :func:`in_children` runs at once by default: the CPUs this process may
+    use, or 1 where the jobs run in this process (no ``os.fork``, or CUDA initialised)."""
+    if not hasattr(os, "fork") or torch.cuda.is_initialized():
+        return 1
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def in_children(fns: list[Callable[[], Any]], parallel: int | None = None) -> list[Any]:
     """Run each ``fn`` in a forked child process, up to ``parallel`` at once (default: the
     CPUs this process may use), and return their (pickled) results in order, or re-raise
@@ -388,12 +399,7 @@ def in_children(fns: list[Callable[[], Any]], parallel: int | None = None) -> li
     """
     if not hasattr(os, "fork") or torch.cuda.is_initialized():
         return [fn() for fn in fns]  # no fork, or CUDA already up (a child could not use it)
-    if parallel is None:
-        try:
-            parallel = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            parallel = os.cpu_count() or 1
-    parallel = max(1, int(parallel))
+    parallel = max(1, int(parallel if parallel is not None else side_by_side()))
     results: list[Any] = [None] * len(fns)
     pending = list(enumerate(fns))
     running: dict[int, tuple[int, int, bytearray]] = {}  # read fd -> (job, pid, data)

@@ -30,7 +30,7 @@ from remat.estimate import build_from_config
 from remat.measure import format_bytes
 from remat.measure.parity import compare_gradients, gradients_of
 from remat.measure.step import autocast
-from remat.measure.trace import _batch, _optimizer
+from remat.measure.trace import _batch, _optimizer, optimizer_steps
 from remat.planner import InfeasibleBudget, Planner, PlanStrategy
 from remat.strategies import NoCheckpoint, build_strategy
 
@@ -46,15 +46,7 @@ def allocator_peak(build, strategy, batch_size, size, precision) -> int:
     optimizer = _optimizer(model)
     device = torch.device("cpu")
     with ProfilerPeakMemory(device, modules=[model]) as meter:
-        for step in range(2):
-            torch.manual_seed(10 + step)
-            batch = _batch(model, batch_size, size, device)
-            with autocast(device, precision):
-                loss = model.training_loss(batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            del loss, batch
+        optimizer_steps(model, optimizer, batch_size, size, device, precision, seed=10)
     del model, optimizer
     gc.collect()
     return int(meter.peak_bytes)

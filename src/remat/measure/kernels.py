@@ -271,26 +271,15 @@ def signatures_fn(build: Callable[[], torch.nn.Module], batch_size: int, size: A
     Measure them with :func:`measure_temporaries` in a process that may run kernels on
     several threads (not a forked child: OpenMP's thread pool does not survive a fork).
     """
-    from remat.measure.step import autocast
-    from remat.measure.trace import _batch, _optimizer, built_fn
+    from remat.measure.trace import _optimizer, built_fn, optimizer_steps
 
     device = torch.device(device)
 
     def steps(model: torch.nn.Module) -> list[Call]:
         model.train()
         optimizer = _optimizer(model)
-
-        def work() -> None:
-            for _ in range(2):
-                batch = _batch(model, batch_size, size, device)
-                with autocast(device, precision):
-                    loss = model.training_loss(batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                del loss, batch
-
-        calls = record_signatures(work, min_bytes)[1]
+        calls = record_signatures(lambda: optimizer_steps(
+            model, optimizer, batch_size, size, device, precision), min_bytes)[1]
         return [Call(str(c.func), c.args, c.kwargs) for c in calls.values()]
 
     return built_fn(build, steps, device, fake=True)

@@ -125,6 +125,24 @@ def _batch(model: nn.Module, batch_size: int, size: int | tuple[int, int],
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int,
+                    size: Any, device: torch.device, precision: str, steps: int = 2,
+                    seed: int | None = None) -> None:
+    """``steps`` training steps of ``model`` in Lightning's order (forward and loss under
+    autocast, ``zero_grad`` after the forward, backward, optimizer step), each on a new
+    example batch (seeded ``seed + step`` when ``seed`` is given); nothing measured."""
+    for step in range(steps):
+        if seed is not None:
+            torch.manual_seed(seed + step)
+        batch = _batch(model, batch_size, size, device)
+        with autocast(device, precision):
+            loss = model.training_loss(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        del loss, batch
+
+
 def _micro_peak(model: nn.Module, batch: dict[str, torch.Tensor],
                 optimizer: torch.optim.Optimizer, device: torch.device, precision: str,
                 zero_grad: bool, step: bool, loss_scale: float,

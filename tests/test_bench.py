@@ -102,12 +102,17 @@ def test_bench_budget_row_is_planned_per_size(tmp_path, capsys):
     cfg = compose_config("bench", tmp_path, [
         "model=gpt_tiny", "data.batch_size=2", "data.block_size=64", "reference_points=false",
         "strategies=[none,{name: budget, memory: 6MiB, device: cpu, max_traces: 2}]",
-        "warmup=0", "steps=1"])
+        "warmup=0", "steps=1", "compiled=true", "compile_backend=aot_eager",
+        "compile_strategies=[none,{name: budget, memory: 6MiB, device: cpu, max_traces: 2}]"])
     record = bench(cfg)
-    row = {r["strategy"]: r for r in record["rows"]}["budget(memory=6MiB, device=cpu, "
-                                                       "max_traces=2)"]
-    assert row["grads_match"] and row["flops_ratio"] >= 1.0
+    label = "budget(memory=6MiB, device=cpu, max_traces=2)"
+    rows = {r["strategy"]: r for r in record["rows"]}
+    assert rows[label]["grads_match"] and rows[label]["flops_ratio"] >= 1.0
     assert any("budget(memory=6MiB" in n and "blocks:" in n for n in record["notes"])
+    # the compiled row runs the eager row's plan (planned once), with eager none's gradients
+    assert f"size 64, compiled: {label}: the eager row's plan" in record["notes"]
+    compiled = rows[f"{label} (compiled, aot_eager)"]
+    assert compiled["grads_match"] and compiled["grad_rel_error"] < 1e-5
 
 
 def test_timm_reference_row_where_a_timm_model_holds_the_stages(tmp_path):
@@ -357,23 +362,83 @@ def test_profiler_peak_equals_memtracker_on_an_eager_step():
 
 def test_compiled_rows_are_measured_on_the_compiled_model(monkeypatch):
     calls = []
-    real = torch.nn.Module.compile
+    real = bench_module.compile_row
 
-    def compile_spy(self, *args, **kwargs):
-        calls.append(kwargs.get("backend"))
-        return real(self, *args, **kwargs)
+    def compile_spy(net, backend):
+        calls.append(backend)
+        return real(net, backend)
 
-    monkeypatch.setattr(torch.nn.Module, "compile", compile_spy)
+    monkeypatch.setattr(bench_module, "compile_row", compile_spy)
     base = _gpt(2, 16, 32)
     batch = base.example_batch(2, 32, torch.Generator().manual_seed(0))
     rows = run_benchmark(base, ["blocks"], {"none": build_strategy("none")}, batch,
                          warmup=1, steps=1, compile_backend="aot_eager")
-    assert calls == ["aot_eager"]
+    assert [getattr(c, "backend", c) for c in calls] == ["aot_eager"]
     (row,) = rows
     assert row.strategy == "none (compiled, aot_eager)" and row.compiled == "aot_eager"
     assert row.peak_method == "torch.profiler" and row.peak_ratio == 1.0
-    assert row.grads_match and row.max_grad_diff < 1e-5  # against eager none
+    assert row.grads_match and row.max_grad_diff < 1e-5 and row.grad_rel_error < 1e-5  # eager
     assert row.peak_bytes > 2 * sum(p.numel() * 4 for p in base.parameters())
+    assert row.eager_time_ratio > 0 and row.eager_peak_ratio > 0  # eager none timed with it
+
+
+def test_compiled_rows_are_timed_in_the_same_rounds_as_the_eager_rows(monkeypatch):
+    """One loop of rounds over every row, eager and compiled: the ratios of compiled rows to
+    eager none are interleaved (a drift of the machine's load falls on both)."""
+    order = []
+    real_start = bench_module.StepTimer.start
+
+    def start(self):
+        order.append(id(self))
+        real_start(self)
+
+    monkeypatch.setattr(bench_module.StepTimer, "start", start)
+    base = _gpt(2, 16, 32)
+    batch = base.example_batch(2, 32, torch.Generator().manual_seed(0))
+    rows = run_benchmark(base, ["blocks"], {n: build_strategy(n) for n in ("none", "full")},
+                         batch, warmup=1, steps=2, compile_backend="aot_eager")
+    rounds = [order[i:i + 3] for i in range(0, len(order), 3)]  # eager none + 2 compiled
+    assert len(rounds) == 3 and all(r == rounds[0] for r in rounds) and len(set(order)) == 3
+    assert [len(r.step_ms) for r in rows] == [2, 2]
+    none = rows[0]
+    assert none.eager_time_ratio == pytest.approx(none.median_ms / (none.median_ms /
+                                                                    none.eager_time_ratio))
+    assert rows[1].eager_time_ratio / none.eager_time_ratio == pytest.approx(rows[1].time_ratio)
+
+
+def test_compiled_rows_past_dynamos_recompile_limit_are_still_compiled(monkeypatch):
+    """nn.Module.compile shares Module._call_impl's code object, whose cache holds
+    recompile_limit entries (8), earlier rows' included: each row gets a code object of
+    its own; a row that runs eagerly all the same is left out with a note, never timed as
+    if compiled."""
+    base = _gpt(2, 16, 32)
+    batch = base.example_batch(2, 32, torch.Generator().manual_seed(0))
+    strategies = {n: build_strategy(n) for n in ("none", "full", "sqrtn")}
+    notes: list[str] = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        rows = run_benchmark(base, ["blocks"], strategies, batch, warmup=0, steps=1,
+                             compile_backend="aot_eager", notes=notes)
+    assert [r.strategy for r in rows] == [f"{n} (compiled, aot_eager)" for n in strategies]
+    assert notes == []
+    monkeypatch.setattr(bench_module, "compile_row",
+                        lambda net, backend: net.compile(backend=backend))  # shared code
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        rows = run_benchmark(base, ["blocks"], strategies, batch, warmup=0, steps=1,
+                             compile_backend="aot_eager", notes=notes)
+    assert [r.strategy for r in rows] == ["none (compiled, aot_eager)"]
+    assert len(notes) == 2 and all("ran eagerly" in n for n in notes)
+
+
+def test_peak_by_profiler_measures_eager_rows_with_torch_profiler(tmp_path):
+    overrides = ["model=gpt_tiny", "model.n_layer=2", "model.n_embd=16", "model.n_head=2",
+                 "data.batch_size=1", "data.block_size=32", "strategies=[none,full]",
+                 "reference_points=false", "warmup=0", "steps=1", "device=cpu"]
+    record = bench(compose_config("bench", tmp_path, [*overrides, "peak_by=profiler"]))
+    assert [r["peak_method"] for r in record["rows"]] == ["torch.profiler"] * 2
+    assert record["peak_by"] == "profiler" and record["rows"][1]["peak_ratio"] < 1.0
+    with pytest.raises(ValueError, match="peak_by must be auto or profiler"):
+        bench(compose_config("bench", tmp_path, [*overrides, "peak_by=memtracker"]))
 
 
 def test_bench_compiled_option_adds_rows_and_notes_rows_that_fail_to_compile(tmp_path):

@@ -27,9 +27,13 @@ apply to the stages is skipped with a printed note; ``reference_points=false`` d
 ``compiled=true`` adds rows measured on models compiled with ``torch.compile`` (backend
 ``compile_backend``, default ``inductor``; strategies ``compile_strategies``, default none,
 full, sqrtn), with
-ratios to ``none`` compiled and gradients compared with eager ``none``. On the CPU their
+ratios to ``none`` compiled and gradients compared with eager ``none``; they are timed in
+the same interleaved rounds as the eager rows, so their ratios to eager ``none``
+(``eager_time_ratio``) are interleaved too. On the CPU their
 peak comes from ``torch.profiler`` memory events (:class:`ProfilerPeakMemory`): MemTracker
-is a ``TorchDispatchMode``, under which dynamo runs the model eagerly.
+is a ``TorchDispatchMode``, under which dynamo runs the model eagerly. ``peak_by=profiler``
+measures the eager rows that way as well (allocator events include kernels' temporaries,
+which a tensor-level MemTracker does not see).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from remat.strategies import (
     sqrt_segments,
     wrapping,
 )
+from remat.strategies.compiled import _trampoline
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,12 @@ class BenchRow:
     the FLOPs of one step (forward, backward and recompute, counted by
     ``torch.utils.flop_counter.FlopCounterMode``; eager rows only) and ``flops_ratio`` them
     over ``none``'s: the recompute cost, exact and device-independent.
+    ``eager_peak_ratio`` and ``eager_time_ratio`` are to eager ``none`` of the same run,
+    for every row (compiled rows are timed interleaved with the eager ones); on eager rows
+    they equal ``peak_ratio`` and ``time_ratio``. ``grad_rel_error``: the largest relative
+    error of one parameter's gradient against the reference (2-norm; ``grads_match`` is
+    the stricter elementwise ``allclose``, which compiled kernels' reordered float sums
+    can miss while the relative error stays ~1e-5).
     """
 
     strategy: str
@@ -112,6 +123,9 @@ class BenchRow:
     peak_method: str = ""
     flops: int | None = None
     flops_ratio: float = float("nan")
+    eager_peak_ratio: float = float("nan")
+    eager_time_ratio: float = float("nan")
+    grad_rel_error: float = 0.0
 
 
 def _step(module: L.LightningModule, batch: dict, device: torch.device, precision: str) -> None:
@@ -232,13 +246,14 @@ class ProfilerPeakMemory:
         self._prof = None
 
 
-def _peak_meter(device: torch.device, model: torch.nn.Module, compiled: bool
+def _peak_meter(device: torch.device, model: torch.nn.Module, profiler: bool
                 ) -> tuple[Callable[[], Any], str]:
-    """The peak-memory context for one row and its name: the CUDA allocator, MemTracker for
-    eager CPU rows, torch.profiler for compiled CPU rows."""
+    """The peak-memory context for one row and its name: the CUDA allocator on CUDA; on
+    the CPU torch.profiler where ``profiler`` (compiled rows, strategies MemTracker cannot
+    see, ``peak_by=profiler``), else MemTracker."""
     if device.type == "cuda":
         return (lambda: PeakMemory(device, modules=[model])), PEAK_METHODS["allocator"]
-    if compiled:
+    if profiler:
         return (lambda: ProfilerPeakMemory(device, modules=[model])), PEAK_METHODS["profiler"]
     return (lambda: PeakMemory(device, modules=[model])), PEAK_METHODS["memtracker"]
 
@@ -248,32 +263,85 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
-def _measure(base: L.LightningModule, stages: Sequence[str],
-             strategies: dict[str, CheckpointStrategy], batch: dict[str, torch.Tensor],
-             device: torch.device, precision: str, warmup: int, steps: int, seed: int,
-             slot: DeviceSlot, compile_backend: str | None = None,
-             reference_grads: dict[str, torch.Tensor] | None = None,
-             notes: list[str] | None = None, mesh: Any = None,
-             ) -> tuple[list[BenchRow], dict[str, dict[str, torch.Tensor]]]:
-    """One group of interleaved rows (all eager, or all compiled with ``compile_backend``).
+class RowBackend:
+    """The ``torch.compile`` backend of one compiled row: the registered backend
+    ``backend`` (``inductor``, ``aot_eager``, ...), under the partitioner's
+    ``activation_memory_budget`` when one is given, counting the graphs it compiles.
 
-    Returns the rows and each row's gradients (on ``slot.home``). Gradients are compared
-    with ``reference_grads`` (default: this group's ``none``). A compiled row whose first
-    step fails is left out with a note in ``notes``; an eager row's error propagates.
-    With a device ``mesh`` (``fsdp=true``, one process per rank) every row's network is
-    sharded with FSDP2 after its strategy (:func:`remat.sharding.shard`); gradients are
-    compared gathered, and a row's peak is the highest of the ranks' peaks.
+    One object per row: dynamo checks a cache entry against the backend it was compiled
+    with, so a row never reuses another row's graphs, and ``graphs`` says whether the row
+    was compiled at all (dynamo may run a frame eagerly with only a warning, e.g. past its
+    recompile limit; see :func:`compile_row`).
+    """
+
+    def __init__(self, backend: str, memory_budget: float | None = None) -> None:
+        self.backend = backend
+        self.memory_budget = memory_budget
+        self.inner = torch._dynamo.lookup_backend(backend)
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
+        if self.memory_budget is None:
+            return self.inner(gm, example_inputs)
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.memory_budget):
+            return self.inner(gm, example_inputs)
+
+
+def compile_row(net: torch.nn.Module, backend: Callable) -> None:
+    """``net.compile(backend=backend)`` (in place: parameter names, so the gradient
+    comparison, stay) with a code object of the row's own. ``nn.Module.compile`` compiles
+    ``Module._call_impl``, one code object shared by every module, and dynamo keeps at most
+    ``torch._dynamo.config.recompile_limit`` (8) cache entries per code object, counting
+    those of earlier rows (and of models already gone): past them a row would run eagerly,
+    with only a warning. A trampoline per row (:func:`remat.strategies.compiled.
+    _trampoline`, as the ``compile`` strategy's stages have) gives each row a cache of its
+    own."""
+    net._compiled_call_impl = torch.compile(_trampoline(net._call_impl), backend=backend)
+
+
+@dataclass
+class _Group:
+    """One group of rows on copies of one model, all eager or all compiled with
+    ``compile_backend``, after the untimed steps of :func:`_prepare`."""
+
+    models: dict[str, L.LightningModule]
+    grads: dict[str, dict[str, torch.Tensor]]
+    flops: dict[str, int]
+    peaks: dict[str, Any]
+    methods: dict[str, str]
+    compile_backend: str | None
+    timers: dict[str, StepTimer] = field(default_factory=dict)
+
+
+def _prepare(base: L.LightningModule, stages: Sequence[str],
+             strategies: dict[str, CheckpointStrategy], batch: dict[str, torch.Tensor],
+             device: torch.device, precision: str, seed: int, slot: DeviceSlot,
+             compile_backend: str | None = None, notes: list[str] | None = None,
+             mesh: Any = None, peak_by: str = "auto") -> _Group:
+    """Wrap (and compile) a copy of ``base`` per strategy, then run each row's untimed
+    steps: one for its gradients (and FLOPs, eager rows) under ``seed``, one for its peak.
+
+    A compiled row whose first step fails, or that compiled no graph (it ran eagerly), is
+    left out with a note in ``notes``; an eager row's error propagates. With a device
+    ``mesh`` (``fsdp=true``, one process per rank) every row's network is sharded with
+    FSDP2 after its strategy (:func:`remat.sharding.shard`); a row's peak is the highest of
+    the ranks' peaks. ``peak_by="profiler"`` measures every CPU row's peak with
+    torch.profiler (compiled rows, and strategies MemTracker cannot see, always are).
     """
     models: dict[str, L.LightningModule] = {}
+    backends: dict[str, RowBackend] = {}
     for name, strategy in strategies.items():
         model = copy.deepcopy(base).to(slot.home).train()
         report = strategy.apply(model.net, list(stages))
         if mesh is not None:
             shard(model.net, mesh, report, stages=list(stages))
         if compile_backend is not None:  # in place: parameter names unchanged
-            model.net.compile(backend=strategy.backend_for(compile_backend)
-                              if isinstance(strategy, TorchCompileMemoryBudget)
-                              else compile_backend)
+            backends[name] = RowBackend(compile_backend, getattr(
+                strategy, "activation_memory_budget", None))
+            compile_row(model.net, backends[name])
         models[name] = model
 
     grads: dict[str, dict[str, torch.Tensor]] = {}
@@ -288,6 +356,8 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
                 flops[name] = int(counter.get_total_flops())
             else:
                 _step(model, batch, device, precision)
+                if not backends[name].graphs:
+                    raise RuntimeError("torch.compile produced no graph: the row ran eagerly")
         except Exception as err:
             if compile_backend is None or name == "none":
                 raise
@@ -304,7 +374,9 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
     for name, model in models.items():
         slot.load(model)
         model.zero_grad(set_to_none=True)
-        meter, methods[name] = _peak_meter(device, model, compile_backend is not None)
+        profiler = (compile_backend is not None or peak_by == "profiler"
+                    or not getattr(strategies[name], "measurable_on_cpu", True))
+        meter, methods[name] = _peak_meter(device, model, profiler)
         with meter() as peak:
             _step(model, batch, device, precision)
         peaks[name] = peak
@@ -314,33 +386,79 @@ def _measure(base: L.LightningModule, stages: Sequence[str],
                                                 group=mesh.get_group())
             peak.peak_bytes = max(every)
         model.zero_grad(set_to_none=True)
-    timers = {name: StepTimer(device, warmup=warmup) for name in models}
+    return _Group(models, grads, flops, peaks, methods, compile_backend)
+
+
+def _time(groups: Sequence[_Group], batch: dict[str, torch.Tensor], device: torch.device,
+          precision: str, warmup: int, steps: int, slot: DeviceSlot) -> None:
+    """Time every row of every group interleaved: ``warmup + steps`` rounds, each one step
+    of every row in turn (eager and compiled rows alike), so a drift of the machine's load
+    falls on all rows; the first ``warmup`` rounds are not kept."""
+    for group in groups:
+        group.timers = {name: StepTimer(device, warmup=warmup) for name in group.models}
     for _ in range(warmup + steps):
-        for name, model in models.items():
-            slot.load(model)  # moves (CUDA) happen here, before the timer starts
-            timers[name].start()
-            _step(model, batch, device, precision)
-            timers[name].stop()
+        for group in groups:
+            for name, model in group.models.items():
+                slot.load(model)  # moves (CUDA) happen here, before the timer starts
+                group.timers[name].start()
+                _step(model, batch, device, precision)
+                group.timers[name].stop()
     slot.unload()
 
+
+def _rows(group: _Group, precision: str,
+          reference_grads: dict[str, torch.Tensor] | None = None) -> list[BenchRow]:
+    """One :class:`BenchRow` per row of a timed group, ratios to the group's ``none``,
+    gradients compared with ``reference_grads`` (default: the group's ``none``)."""
     rtol, atol = TOLERANCES.get(precision, (1e-2, 1e-2))
-    reference = grads["none"] if reference_grads is None else reference_grads
+    reference = group.grads["none"] if reference_grads is None else reference_grads
+    backend = group.compile_backend
     rows = []
-    for name in models:
-        parity = compare_gradients(reference, grads[name], rtol=rtol, atol=atol)
-        label = name if compile_backend is None else f"{name} (compiled, {compile_backend})"
-        rows.append(BenchRow(label, int(peaks[name].peak_bytes), float(timers[name].median_ms),
-                             parity.match, parity.max_abs_diff, step_ms=timers[name].times_ms,
-                             reserved_bytes=peaks[name].reserved_bytes,
-                             compiled=compile_backend, peak_method=methods[name],
-                             flops=flops.get(name)))
-    ref_row = rows[list(models).index("none")]
+    for name in group.models:
+        parity = compare_gradients(reference, group.grads[name], rtol=rtol, atol=atol)
+        label = name if backend is None else f"{name} (compiled, {backend})"
+        timer, peak = group.timers[name], group.peaks[name]
+        rows.append(BenchRow(label, int(peak.peak_bytes), float(timer.median_ms),
+                             parity.match, parity.max_abs_diff, step_ms=timer.times_ms,
+                             grad_rel_error=parity.max_rel_error,
+                             reserved_bytes=peak.reserved_bytes, compiled=backend,
+                             peak_method=group.methods[name], flops=group.flops.get(name)))
+    ref_row = rows[list(group.models).index("none")]
     for row in rows:
         row.peak_ratio = row.peak_bytes / ref_row.peak_bytes
         row.time_ratio = row.median_ms / ref_row.median_ms
         if row.flops is not None and ref_row.flops:
             row.flops_ratio = row.flops / ref_row.flops
-    return rows, grads
+    return rows
+
+
+def _measure_groups(base: L.LightningModule, stages: Sequence[str],
+                    strategies: dict[str, CheckpointStrategy],
+                    compile_strategies: dict[str, CheckpointStrategy],
+                    batch: dict[str, torch.Tensor], device: torch.device, precision: str,
+                    warmup: int, steps: int, seed: int, slot: DeviceSlot,
+                    compile_backend: str | None = None, notes: list[str] | None = None,
+                    mesh: Any = None, peak_by: str = "auto") -> list[BenchRow]:
+    """The eager rows, then (with ``compile_backend`` and ``compile_strategies``) the rows
+    compiled with it, all timed interleaved in one loop (:func:`_time`). Eager rows'
+    ratios are to eager ``none``, compiled rows' to compiled ``none``; every row's
+    ``eager_peak_ratio``/``eager_time_ratio`` are to eager ``none``. Compiled rows'
+    gradients are compared with eager ``none``'s."""
+    args = (batch, device, precision, seed, slot)
+    groups = [_prepare(base, stages, strategies, *args, mesh=mesh, peak_by=peak_by)]
+    if compile_backend is not None and compile_strategies:
+        groups.append(_prepare(base, stages, compile_strategies, *args, compile_backend,
+                               notes, mesh, peak_by))
+    _time(groups, batch, device, precision, warmup, steps, slot)
+    eager = groups[0]
+    rows = _rows(eager, precision)
+    none = rows[list(eager.models).index("none")]
+    for group in groups[1:]:
+        rows += _rows(group, precision, reference_grads=eager.grads["none"])
+    for row in rows:
+        row.eager_peak_ratio = row.peak_bytes / none.peak_bytes
+        row.eager_time_ratio = row.median_ms / none.median_ms
+    return rows
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
@@ -398,8 +516,9 @@ def run_benchmark(base: L.LightningModule, stages: Sequence[str],
         warmup, steps: untimed and timed interleaved rounds (>= 1 timed round).
         compile_backend: ``torch.compile`` backend (``inductor``, ``aot_eager``, ...) to
             compile every row's ``net`` with (``nn.Module.compile``, in place), or ``None``
-            (eager). Compiled rows are compared with eager ``none``: a baseline is measured
-            first and its gradients are the reference; ratios are to ``none`` compiled.
+            (eager). Compiled rows are compared with eager ``none``: it is measured and
+            timed with them (interleaved), its gradients are the reference; ``peak_ratio``
+            and ``time_ratio`` are to ``none`` compiled, ``eager_*_ratio`` to eager ``none``.
         slot: where models wait between rows (default ``DeviceSlot(device)``: one model on
             the device at a time on CUDA, nothing moved on the CPU).
         notes: list that receives a line for each compiled row left out.
@@ -418,24 +537,22 @@ def run_benchmark(base: L.LightningModule, stages: Sequence[str],
     device = torch.device(device)
     slot = DeviceSlot(device) if slot is None else slot
     batch = {k: v.to(device) for k, v in batch.items()}
-    reference = None
-    if compile_backend is not None:
-        _, grads = _measure(base, stages, {"none": strategies["none"]}, batch, device,
-                            precision, 0, 1, seed, slot)
-        reference = grads["none"]
-    rows, _ = _measure(base, stages, strategies, batch, device, precision, warmup, steps, seed,
-                       slot, compile_backend, reference, notes)
-    return rows
+    if compile_backend is None:
+        return _measure_groups(base, stages, strategies, {}, batch, device, precision,
+                               warmup, steps, seed, slot)
+    rows = _measure_groups(base, stages, {"none": strategies["none"]}, strategies, batch,
+                           device, precision, warmup, steps, seed, slot, compile_backend, notes)
+    return rows[1:]  # eager none: the gradient reference, timed with them
 
 
 class TorchCompileMemoryBudget(CheckpointStrategy):
     """Reference row: plain ``torch.compile`` of the whole network with the partitioner's
     activation memory budget (``torch._functorch.config.activation_memory_budget``: 1.0
     saves what the default partitioner saves, 0.0 recomputes as much as it can). It wraps
-    nothing; the bench compiles the net and runs the row's steps under the budget. Only for
-    ``compile_strategies`` (eager, it is ``none``). Below 1.0 the partitioner may recompute
-    dropout in backward with other masks (pytorch/pytorch#190758), so its gradients can
-    differ from ``none``'s; the row's ``grads match`` column shows it.
+    nothing; the bench compiles the net with a :class:`RowBackend` that partitions under the
+    budget. Only for ``compile_strategies`` (eager, it is ``none``). Below 1.0 the
+    partitioner may recompute dropout in backward with other masks (pytorch/pytorch#190758),
+    so its gradients can differ from ``none``'s; the row's ``grads match`` column shows it.
 
     Raises:
         ValueError: a budget outside [0, 1].
@@ -449,21 +566,6 @@ class TorchCompileMemoryBudget(CheckpointStrategy):
             raise ValueError(f"bench: torch_compile_budget memory_budget must be a number in "
                              f"[0, 1], got {memory_budget!r}")
         self.activation_memory_budget = float(memory_budget)
-
-    def backend_for(self, backend: str) -> Callable:
-        """``backend`` (a ``torch.compile`` backend name) compiling under this budget. A
-        backend object of its own per row, so dynamo does not reuse another row's graphs
-        (its cache entries are checked against the backend they were compiled with)."""
-        inner = torch._dynamo.lookup_backend(backend)
-        budget = self.activation_memory_budget
-
-        def compile_under_budget(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-            import torch._functorch.config as functorch_config
-
-            with functorch_config.patch(activation_memory_budget=budget):
-                return inner(gm, example_inputs)
-
-        return compile_under_budget
 
 
 class TorchCheckpointSequential(CheckpointStrategy):
@@ -610,16 +712,24 @@ def format_table(rows: Sequence[BenchRow]) -> str:
     """Plain-text table: size, strategy, peak memory, x none, median step ms, x none,
     recompute FLOPs x none (step FLOPs over ``none``'s; ``-`` for compiled rows), grads
     match (yes/NO), peak by (what measured the peak). Compiled rows' ratios are to ``none``
-    compiled with the same backend."""
+    compiled with the same backend; with compiled rows three more columns give every row's
+    peak and time over eager ``none``'s (``x eager``) and its gradients' largest relative
+    error (``grad rel err``)."""
     w = max([len("strategy"), *(len(r.strategy) for r in rows)]) + 2
+    eager = any(r.compiled for r in rows)
     lines = [f"{'size':>6}  {'strategy':<{w}}{'peak memory':>14}{'x none':>9}{'step time':>13}"
-             f"{'x none':>9}{'recompute FLOPs x none':>24}{'grads match':>13}  peak by"]
+             f"{'x none':>9}" + (f"{'peak x eager':>14}{'time x eager':>14}" if eager else "")
+             + f"{'recompute FLOPs x none':>24}{'grads match':>13}"
+             + (f"{'grad rel err':>14}" if eager else "") + "  peak by"]
     for r in rows:
         flops = f"{r.flops_ratio:>24.3f}" if r.flops_ratio == r.flops_ratio else f"{'-':>24}"
         lines.append(f"{r.size if r.size is not None else '':>6}  {r.strategy:<{w}}"
                      f"{format_bytes(r.peak_bytes):>14}{r.peak_ratio:>9.2f}"
-                     f"{r.median_ms:>10.1f} ms{r.time_ratio:>9.2f}{flops}"
-                     f"{'yes' if r.grads_match else 'NO':>13}  {r.peak_method}")
+                     f"{r.median_ms:>10.1f} ms{r.time_ratio:>9.2f}"
+                     + (f"{r.eager_peak_ratio:>14.2f}{r.eager_time_ratio:>14.2f}" if eager
+                        else "")
+                     + f"{flops}{'yes' if r.grads_match else 'NO':>13}"
+                     + (f"{r.grad_rel_error:>14.1e}" if eager else "") + f"  {r.peak_method}")
     return "\n".join(lines)
 
 
@@ -709,11 +819,19 @@ def _build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
 
 def _planned(strategies: dict[str, CheckpointStrategy], model_cfg: DictConfig,
              batch_size: int, size: int, precision: str, stages: list[str], where: str,
-             notes: list[str]) -> dict[str, CheckpointStrategy]:
+             notes: list[str], known: dict[str, CheckpointStrategy] | None = None,
+             ) -> dict[str, CheckpointStrategy]:
     """``strategies`` with each memory budget (``{name: budget, ...}``) planned for this
-    batch and size (its plan noted in ``notes``)."""
+    batch and size (its plan noted in ``notes``). A budget with the same label in ``known``
+    (the eager rows, already planned) takes that plan instead of planning again."""
     runs = dict(strategies)
     for label, strategy in strategies.items():
+        if getattr(strategy, "needs_plan", False) and hasattr((known or {}).get(label), "plan"):
+            from remat.planner import PlanStrategy
+
+            runs[label] = PlanStrategy(known[label].plan)
+            notes.append(f"{where}: {label}: the eager row's plan")
+            continue
         if getattr(strategy, "needs_plan", False):
             from remat.planner import InfeasibleBudget
 
@@ -760,6 +878,9 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     compiled = bool(cfg.get("compiled", False))
     backend = str(cfg.get("compile_backend", "inductor"))
     compile_runs = _build_strategies(cfg.get("compile_strategies") or []) if compiled else {}
+    peak_by = str(cfg.get("peak_by", "auto"))
+    if peak_by not in ("auto", "profiler"):
+        raise ValueError(f"bench: peak_by must be auto or profiler, got {peak_by!r}")
     if compiled and "none" not in compile_runs:
         raise ValueError(f"bench: compile_strategies must include 'none' (the compiled "
                          f"reference), got {list(compile_runs)}")
@@ -784,7 +905,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         runs = _planned(strategies, model_cfg, batch_size, size, precision,
                         list(cfg.model.stages), f"size {size}", notes)
         size_compile_runs = _planned(compile_runs, model_cfg, batch_size, size, precision,
-                                     list(cfg.model.stages), f"size {size}, compiled", notes)
+                                     list(cfg.model.stages), f"size {size}, compiled", notes,
+                                     known=runs)
         if cfg.get("reference_points", True) and mesh is None:
             references, skipped = reference_rows(base, list(cfg.model.stages))
             runs.update(references)
@@ -794,19 +916,14 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(cfg.seed)
         batch = {k: v.to(device)
                  for k, v in base.example_batch(batch_size, size, generator).items()}
-        args = (precision, int(cfg.warmup), int(cfg.steps), int(cfg.seed), slot)
-        size_rows, grads = _measure(base, list(cfg.model.stages), runs, batch, device, *args,
-                                    mesh=mesh)
-        if size_compile_runs:
-            size_notes: list[str] = []
-            compiled_rows, _ = _measure(base, list(cfg.model.stages), size_compile_runs, batch,
-                                        device, *args, compile_backend=backend,
-                                        reference_grads=grads["none"], notes=size_notes)
-            size_rows += compiled_rows
-            for note in size_notes:
-                print(f"note: {note}", flush=True)
-            notes.extend(f"size {size}: {n}" for n in size_notes)
-        del grads
+        size_notes: list[str] = []
+        size_rows = _measure_groups(base, list(cfg.model.stages), runs, size_compile_runs,
+                                    batch, device, precision, int(cfg.warmup), int(cfg.steps),
+                                    int(cfg.seed), slot, backend if compiled else None,
+                                    size_notes, mesh, peak_by)
+        for note in size_notes:
+            print(f"note: {note}", flush=True)
+        notes.extend(f"size {size}: {n}" for n in size_notes)
         for row in size_rows:
             row.size = size
         rows.extend(size_rows)
@@ -819,7 +936,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         "batch_size": batch_size, "size_key": size_key, "sizes": sizes,
         "precision": str(cfg.precision), "device": device_name(device),
         "torch_version": torch.__version__, "machine": platform.machine(),
-        "warmup": int(cfg.warmup), "steps": int(cfg.steps),
+        "warmup": int(cfg.warmup), "steps": int(cfg.steps), "peak_by": peak_by,
         "compiled": compiled, "compile_backend": backend if compiled else None,
         "one_model_on_device": slot.swap, "notes": notes,
         "fsdp_world_size": mesh.size() if mesh is not None else None,
@@ -837,13 +954,16 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         writer = csv.writer(f)
         writer.writerow(["size", "strategy", "peak_bytes", "peak_ratio", "median_ms",
                          "time_ratio", "grads_match", "max_grad_diff", "reserved_bytes",
-                         "compiled", "peak_method", "flops", "flops_ratio"])
+                         "compiled", "peak_method", "flops", "flops_ratio",
+                         "eager_peak_ratio", "eager_time_ratio", "grad_rel_error"])
         for r in rows:
             writer.writerow([r.size, r.strategy, r.peak_bytes, f"{r.peak_ratio:.4f}",
                              f"{r.median_ms:.2f}", f"{r.time_ratio:.4f}", r.grads_match,
                              f"{r.max_grad_diff:.3g}", r.reserved_bytes or "",
                              r.compiled or "", r.peak_method, r.flops or "",
-                             f"{r.flops_ratio:.4f}" if r.flops_ratio == r.flops_ratio else ""])
+                             f"{r.flops_ratio:.4f}" if r.flops_ratio == r.flops_ratio else "",
+                             f"{r.eager_peak_ratio:.4f}", f"{r.eager_time_ratio:.4f}",
+                             f"{r.grad_rel_error:.3g}"])
     print(f"{model_name} batch {batch_size}, {size_key} {sizes}, {cfg.precision}, "
           f"{record['device']}, torch {torch.__version__}")
     print(format_table(rows))

@@ -62,12 +62,15 @@ def test_gradient_parity_detects_a_difference_and_names_the_parameter():
     training_step(a, batch, None, "cpu")
     training_step(b, batch, None, "cpu")
     same = compare_gradients(a, b)
-    assert same.match and same.max_abs_diff == 0.0
+    assert same.match and same.max_abs_diff == 0.0 == same.max_rel_error
     grads = gradients_of(b)
-    grads["b.bias"] = grads["b.bias"] + 1e-3
+    bias = grads["b.bias"]
+    grads["b.bias"] = bias + 1e-3
     diff = compare_gradients(a, grads)
     assert not diff.match and diff.mismatched == ["b.bias"]
     assert diff.max_abs_diff == pytest.approx(1e-3, rel=1e-3)
+    assert diff.max_rel_error == pytest.approx(1e-3 * bias.numel() ** 0.5 / bias.norm().item(),
+                                               rel=1e-3)  # |1e-3 * ones| / |bias|
     del grads["a.weight"]
     assert "a.weight" in compare_gradients(a, grads).mismatched
 

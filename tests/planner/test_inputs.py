@@ -22,7 +22,8 @@ def test_parse_memory_forms(value, expected):
     (1.5, r"must be in \(0, 1\]"), ("2.5", r"must be in \(0, 1\]"),
     (1, "less than 1 MiB"), ("1000", "less than 1 MiB"),
     ("81GB", "more than the device's memory"), (None, "give a memory budget"),
-    (True, "give a memory budget"), (float("nan"), "must be > 0"),
+    (True, "give a memory budget"), (float("nan"), "finite size"), ("inf", "cannot read"),
+    (float("inf"), "finite size"),
 ])
 def test_parse_memory_refuses(value, match):
     with pytest.raises(ValueError, match=match) as err:

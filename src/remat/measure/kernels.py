@@ -24,6 +24,7 @@ allocator's peak instead of profiler events).
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,9 @@ def _measure_cpu(calls: list[Call], repeats: int) -> list[int]:
 
     device = torch.device("cpu")
     outputs: dict[str, int] = {}
+    # kineto logs "gpuGetDeviceCount failed" as an ERROR on a machine without a GPU; quiet
+    # it unless the user chose a level
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i, call in enumerate(calls):
             for r in range(repeats):

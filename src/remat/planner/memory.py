@@ -41,7 +41,10 @@ def parse_memory(value: Any, device_memory: int | None = None,
                              "'12 GB', 800MiB, 24000000000 (bytes) or 0.8 (a fraction of the "
                              "device's memory)")
         number, unit = float(match.group(1)), match.group(2).lower()
-    if not math.isfinite(number) or number <= 0:
+    if not math.isfinite(number):
+        raise ValueError(f"{key}={value!r}: a memory budget must be a finite size, such as "
+                         "12GiB or 0.8 (a fraction of the device's memory)")
+    if number <= 0:
         raise ValueError(f"{key}={value!r}: a memory budget must be > 0")
     is_int = isinstance(value, int) or (isinstance(value, str) and "." not in value
                                         and "e" not in value.lower())

@@ -579,7 +579,8 @@ class Planner:
                              "with the batch; about)")
             else:
                 lines.append(f"  even data.batch_size=1 would need about "
-                             f"{format_bytes(int(static + dynamic / self.batch_size))}")
+                             f"{format_bytes(int(static + dynamic / self.batch_size))} "
+                             f"(+ margin {format_bytes(margin)})")
             if isinstance(self.size, int) and self.profile.kind == "image":
                 side = math.floor(self.size * math.sqrt(min(scale, 1.0)) / 32) * 32
                 if side >= 32:

@@ -12,10 +12,9 @@ plan that recomputes a whole decoder in backward 8.5% above.
 called with (shapes, strides, dtypes and the other arguments); :func:`measure_temporaries`
 runs each for real (stand-in inputs of the same layout) under ``torch.profiler`` memory
 events, and keeps the highest the allocator went above what was allocated before the call
-and its outputs. The trace then adds,
-after each operator, that operator's temporaries to the memory held at that moment
-(:class:`KernelTemporaries`, read by :class:`remat.measure.PeakMemory`): the peak the
-allocator reaches, not only the tensors' peak.
+and its outputs. The trace then adds, after each operator, that operator's temporaries to
+the memory held at that moment (:class:`KernelTemporaries`, read by
+:class:`remat.measure.PeakMemory`): the peak the allocator reaches, not only the tensors'.
 
 Measured on the device present only (the CPU here; the CUDA path reads the caching
 allocator's peak instead of profiler events).

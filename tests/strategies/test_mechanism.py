@@ -101,20 +101,21 @@ def test_torch_compile_of_a_wrapped_model_gives_eager_gradients_without_recompil
 @pytest.mark.parametrize("strategy,overrides", [("full", {}), ("sqrtn", {}),
                                                 ("selective", {"policy": "matmul"}),
                                                 ("offload", {"segments": "sqrtn"})])
-def test_torch_compile_inductor_gives_eager_gradients(gpt, strategy, overrides, monkeypatch):
+def test_torch_compile_inductor_gives_eager_gradients(gpt, strategy, overrides):
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fallback_random", True)  # eager's dropout masks
     torch._dynamo.reset()
     x = torch.randn(2, 16, 32)
     ref = _step(copy.deepcopy(gpt), x)
     model = copy.deepcopy(gpt)
     build_strategy(strategy, **overrides).apply(model, ["blocks"])
     compiled = torch.compile(model, backend="inductor")
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(5)
-        compiled(x).square().mean().backward()
+    # eager's dropout masks; config.patch, since pytest's monkeypatch undo deletes the key
+    with inductor_config.patch(fallback_random=True):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(5)
+            compiled(x).square().mean().backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[1][name], rtol=1e-4, atol=1e-5, msg=name)
 

@@ -139,16 +139,6 @@ class Planned:
     seconds: float = 0.0
 
 
-def _job(build: Builder, strategy: CheckpointStrategy, batch_size: int, size: Any,
-         precision: str, accumulate_grad_batches: int = 1, world_size: int = 1,
-         reshard_after_forward: bool = True, temporaries: Any = None) -> dict[str, Any]:
-    return {"build": lambda: build(strategy), "batch_size": batch_size, "size": size,
-            "device": torch.device("cpu"), "precision": precision, "fake": True,
-            "accumulate_grad_batches": accumulate_grad_batches, "count_flops": True,
-            "world_size": world_size, "reshard_after_forward": reshard_after_forward,
-            "temporaries": temporaries}
-
-
 def _traced(result: tuple[str, Any]) -> Traced:
     _, peak = result
     return Traced(int(peak.peak_bytes), dict(peak.categories), int(peak.step_flops or 0),
@@ -244,8 +234,15 @@ class Planner:
     # -- model -------------------------------------------------------------------------
     def _job(self, strategy: CheckpointStrategy, build: Builder | None = None
              ) -> dict[str, Any]:
-        return _job(build or self.build, strategy, self.batch_size, self.size, self.precision,
-                    self.accumulate, self.world_size, self.reshard, self.temporaries)
+        """:func:`remat.measure.trace.step_fn`'s arguments for a fake step of this run
+        shape with ``strategy`` (FLOPs counted, kernel temporaries added when measured)."""
+        build = build or self.build
+        return {"build": lambda: build(strategy), "batch_size": self.batch_size,
+                "size": self.size, "device": torch.device("cpu"),
+                "precision": self.precision, "fake": True,
+                "accumulate_grad_batches": self.accumulate, "count_flops": True,
+                "world_size": self.world_size, "reshard_after_forward": self.reshard,
+                "temporaries": self.temporaries}
 
     def trace(self, strategy: CheckpointStrategy, build: Builder | None = None,
               key: str = "") -> Traced:

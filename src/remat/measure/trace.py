@@ -15,8 +15,9 @@ import logging
 import os
 import pickle
 import selectors
-from collections.abc import Callable
-from contextlib import nullcontext
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,6 +315,19 @@ def trace_steps(jobs: list[dict[str, Any]], parallel: int | None = None) -> list
     return in_children([step_fn(**job) for job in jobs], parallel)
 
 
+@contextmanager
+def _fake_mode() -> Iterator[None]:
+    """``FakeTensorMode``, without the warning torch gives for ``deepcopy`` of a fake tensor
+    (it reads ``data_ptr()``). Metric libraries deep-copy their state defaults at
+    construction (torchmetrics ``add_state``), once per metric of every built model; the copy
+    is right (a clone) and the warning only floods the planner's output."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor",
+                                category=UserWarning)
+        with FakeTensorMode():
+            yield
+
+
 def run_built(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
               device: torch.device, fake: bool = True) -> Any:
     """``fn(build())`` in a forked child (see :func:`built_fn`)."""
@@ -341,7 +355,7 @@ def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
 
     def traced() -> Any:
         try:
-            with FakeTensorMode() if fake else nullcontext(), dev():
+            with _fake_mode() if fake else nullcontext(), dev():
                 return run(build)
         except Exception as err:
             if not (fake and _data_dependent(err)):
@@ -355,7 +369,7 @@ def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
             # last resort: build for real on the CPU (parameters allocated once, in this
             # child process), then trace a meta copy of it
             skeleton = meta_clone(build())
-        with FakeTensorMode(), dev():
+        with _fake_mode(), dev():
             return run(lambda: materialize(skeleton, device))
 
     return traced

@@ -6,7 +6,9 @@
 # Real sizes: U-Net ResNet-34 at 1024 px, batch 8; GPT (gpt_small, 16 blocks, width 256) at
 # the longest sequence, batch 1, whose `none` step the estimator (remat.estimate, CUDA)
 # predicts to fit in 80% of the GPU's memory, tried from 4096 tokens doubling up to 131072,
-# benchmarked at that length and a quarter of it.
+# benchmarked at that length and a quarter of it. Then the planner (issue #11): three plans
+# of the U-Net for budgets between its floor and none's peak, planned for this device,
+# predicted against measured peak and step time (scripts/gpu_plan_check.py, plans.md/.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -22,10 +24,12 @@ if [ "$SMALL" = 1 ]; then
         'model.arch_kwargs.decoder_channels=[16,16,8,8,8]')
   GPT=(model=gpt_tiny data.batch_size=1 device=cpu warmup=0 steps=1)
   SEQ_START=32; SEQ_MAX=128; FRACTION=0.8; DEVICE=cpu
+  PLAN=(model=unet_resnet18 data.image_size=128 data.batch_size=2 --steps 2 --warmup 1)
 else
   UNET=(model=unet_resnet34 data.image_size=1024 data.batch_size=8 device=cuda)
   GPT=(model=gpt_small data.batch_size=1 device=cuda)
   SEQ_START=4096; SEQ_MAX=131072; FRACTION=0.8; DEVICE=cuda
+  PLAN=(model=unet_resnet34 data.image_size=1024 data.batch_size=8 precision=bf16-mixed)
 fi
 STRATS='strategies=[none,full,sqrtn,{name: selective, policy: matmul},{name: offload, segments: sqrtn}]'
 
@@ -70,4 +74,7 @@ echo "longest block_size: $LONGEST"
 QUARTER=$(( LONGEST / 4 > 0 ? LONGEST / 4 : 1 ))
 "$PY" -m remat.bench "${GPT[@]}" precision=bf16-mixed "$STRATS" "data.block_size=[$QUARTER,$LONGEST]" \
   hydra.run.dir="$OUT/gpt" | tee "$OUT/gpt.txt"
-echo "gpu_check: tables in $OUT/unet.txt, $OUT/gpt.txt (csv/json/png under $OUT/unet, $OUT/gpt)"
+
+echo "== planner: three plans on this device, predicted vs measured"
+"$PY" scripts/gpu_plan_check.py "${PLAN[@]}" --out "$OUT/plans.md"
+echo "gpu_check: tables in $OUT/unet.txt, $OUT/gpt.txt, $OUT/plans.md (csv/json/png under $OUT/unet, $OUT/gpt)"

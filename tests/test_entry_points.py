@@ -38,8 +38,8 @@ def test_bad_command_line_fails_with_a_clear_message(tmp_path, override, expecte
 
 @pytest.mark.slow
 def test_gpu_check_script_runs_small_on_cpu(tmp_path):
-    """scripts/gpu_check.sh with GPU_CHECK_SMALL=1: both benchmarks, tables under $OUT
-    (about 30 s on 2 shared cores)."""
+    """scripts/gpu_check.sh with GPU_CHECK_SMALL=1: both benchmarks and the planner's three
+    plans, tables under $OUT (about 3 min on 2 shared cores)."""
     env = dict(os.environ, OUT=str(tmp_path / "out"), GPU_CHECK_SMALL="1",
                PYTHON=sys.executable, PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], cwd=tmp_path,
@@ -52,6 +52,12 @@ def test_gpu_check_script_runs_small_on_cpu(tmp_path):
     assert gpt["sizes"] == [32, 128]  # SEQ_MAX=128 caps the doubling on CPU; a quarter of it
     assert all(r["grads_match"] for r in unet["rows"] + gpt["rows"])
     assert "grads match" in (out / "gpt.txt").read_text()
+    plans = json.loads((out / "plans.json").read_text())
+    assert [r["row"] for r in plans["rows"]][0] == "none" and len(plans["rows"]) == 4
+    for row in plans["rows"]:  # planned for this CPU: kernel temporaries measured
+        assert row["fits"] and row["grads_match"]
+        assert abs(row["measured_over_predicted"] - 1) < 0.01, row
+    assert "measured / predicted" in (out / "plans.md").read_text()
 
 
 def test_a_non_editable_install_finds_its_config_tree(tmp_path):

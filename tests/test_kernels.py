@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +76,36 @@ def test_the_trace_with_temporaries_is_the_allocator_peak(tmp_path):
         assert traced.allocator_peak_bytes > traced.peak_bytes
         assert abs(traced.allocator_peak_bytes - measured) <= 0.001 * measured, strategy
         assert measured - traced.peak_bytes > 0.01 * measured  # what the tensors miss
+
+
+def test_planning_for_a_gpu_measures_temporaries_where_asked(tmp_path, monkeypatch):
+    """``temporaries=true`` for a GPU plan measures them (on this CPU here: no GPU; on the
+    GPU present when there is one) and keeps the measured margin; by default a GPU plan
+    made on a CPU keeps 2% + the largest convolution tensor free instead. The budget
+    strategy passes the setting through to the planner."""
+    from remat.estimate import build_from_config
+    from remat.planner import BudgetStrategy
+    from remat.planner import planner as planner_module
+    from remat.planner.planner import DEFAULT_MARGIN, MEASURED_MARGIN, Planner
+
+    cfg = compose_config("estimate", tmp_path, ["model=unet_resnet18", "device=cpu",
+                                                "data.image_size=64", "data.batch_size=1"])
+    build_cfg, _, batch, size = build_from_config(cfg)
+    build = build_cfg.with_strategy
+    measured = Planner(build, batch, size, device="h100", temporaries=True)
+    assert measured.temporaries and measured.temporaries.device == "cpu"
+    assert measured.margin == MEASURED_MARGIN
+    assert measured.none.allocator_peak > measured.none.peak_bytes
+    table = Planner(build, batch, size, device="h100")
+    assert table.temporaries is None and table.margin == DEFAULT_MARGIN
+    seen = {}
+
+    def planner_called(*args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("planner called")
+
+    monkeypatch.setattr(planner_module, "Planner", planner_called)
+    with pytest.raises(RuntimeError, match="planner called"):
+        BudgetStrategy(memory="1GiB", device="h100", temporaries=True).planned(
+            build, batch, size, "32-true")
+    assert seen["temporaries"] is True

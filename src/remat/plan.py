@@ -164,6 +164,12 @@ def _margin(cfg: DictConfig) -> float | None:
     return None if value is None else float(value)
 
 
+def _temporaries(cfg: DictConfig) -> bool | None:
+    """``temporaries`` of the config (null: measured only when planning for this CPU)."""
+    value = cfg.get("temporaries")
+    return None if value is None else bool(value)
+
+
 def frontier(planner: Planner, count: int) -> list[Point]:
     """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none's, or
     to the device's memory where none needs more (gpt_medium at 8192 tokens on an H100:
@@ -261,6 +267,7 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str
         try:
             planner = Planner(build, micro, size, precision, accumulate, device=cfg.device,
                               units=cfg.get("units"), margin=_margin(cfg),
+                              temporaries=_temporaries(cfg),
                               objective=str(cfg.get("objective", "time")),
                               default_stages=list(cfg.model.get("stages") or []), key="",
                               world_size=sharding.world_size,
@@ -290,6 +297,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     sharding = run_shape.sharding_of(cfg)
     planner = Planner(build, batch_size, size, precision, accumulate, device=cfg.device,
                       units=cfg.get("units"), margin=_margin(cfg),
+                      temporaries=_temporaries(cfg),
                       max_traces=int(cfg.get("max_traces", 6)),
                       objective=str(cfg.get("objective", "time")),
                       default_stages=list(cfg.model.get("stages") or []),

@@ -38,6 +38,8 @@ class BudgetStrategy(CheckpointStrategy):
         max_traces: traced plans per budget before the best one is taken.
         objective: ``time`` (modelled recompute time on ``device``) or ``flops``.
         calibrate: time each unit on the device present instead of the roofline table.
+        temporaries: measure each operator's kernel temporaries (see
+            :class:`remat.planner.Planner`); ``None``: when planning for the CPU.
 
     Raises:
         ValueError: a bad ``memory`` (unparseable, <= 0, above the device's memory) or an
@@ -50,7 +52,8 @@ class BudgetStrategy(CheckpointStrategy):
 
     def __init__(self, memory: Any = 0.8, device: Any = "auto", margin: float | None = None,
                  units: Sequence[str] | None = None, max_traces: int = 6,
-                 objective: str = "time", calibrate: bool = False) -> None:
+                 objective: str = "time", calibrate: bool = False,
+                 temporaries: bool | None = None) -> None:
         check_options(objective, 0.0 if margin is None else margin)
         self.calibrate = bool(calibrate)
         self.objective = objective
@@ -61,6 +64,7 @@ class BudgetStrategy(CheckpointStrategy):
         self.margin = None if margin is None else float(margin)
         self.units = list(units) if units else None
         self.max_traces = int(max_traces)
+        self.temporaries = None if temporaries is None else bool(temporaries)
 
     def planned(self, build: Callable[[CheckpointStrategy], nn.Module], batch_size: int,
                 size: Any, precision: str, accumulate_grad_batches: int = 1,
@@ -78,7 +82,8 @@ class BudgetStrategy(CheckpointStrategy):
                             max_traces=self.max_traces, objective=self.objective,
                             default_stages=default_stages, calibrate=self.calibrate,
                             accumulate_grad_batches=accumulate_grad_batches,
-                            world_size=world_size, reshard_after_forward=reshard_after_forward)
+                            world_size=world_size, reshard_after_forward=reshard_after_forward,
+                            temporaries=self.temporaries)
         plan = planned.plan
         log.info("plan for %s on %s (%.1f s): predicted peak %s (allocator; tensors %s, "
                  "none %s), recompute FLOPs x%.3f of none, modelled step time x%.3f\n%s",

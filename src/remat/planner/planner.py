@@ -158,10 +158,12 @@ class Planner:
         margin: fraction of the budget kept free for what the trace does not see;
             ``None``: :data:`MEASURED_MARGIN` where kernel temporaries are measured, else
             :data:`DEFAULT_MARGIN`, and then the largest convolution tensor as well.
-        temporaries: measure each operator call's kernel temporaries on this CPU and trace
-            the allocator's peak with them (:mod:`remat.measure.kernels`; runs every
-            operator of a step once, for real, at the planned size); ``None``: when
-            planning for the CPU (``device=cpu``, or ``auto`` without a GPU).
+        temporaries: measure each operator call's kernel temporaries and trace the
+            allocator's peak with them (:mod:`remat.measure.kernels`; runs every operator
+            of a step once, for real, at the planned size): on the GPU present when
+            planning for a GPU and one is here (the caching allocator's peak counter;
+            not yet run on a GPU), else on this CPU; ``None``: only when planning for the
+            CPU (``device=cpu``, or ``auto`` without a GPU).
         max_traces: traces per budget before giving the best one found.
         max_segment: longest recompute segment (blocks).
         objective: ``time`` (modelled recompute time) or ``flops``.
@@ -212,7 +214,11 @@ class Planner:
             # temporaries measured here (real kernels, this process's threads), then none
             profile, calls = in_children([profile_job, signatures_fn(
                 lambda: build(NoCheckpoint()), batch_size, size, precision)])
-            self.temporaries = KernelTemporaries(measure_temporaries(calls), device="cpu")
+            here = _measuring_device(self.spec)
+            self.temporaries = KernelTemporaries(measure_temporaries(calls, here),
+                                                 device=here.type)
+            if here.type == "cuda":
+                torch.cuda.empty_cache()  # the stand-in tensors' blocks, before training
             none = in_children([step_fn(**self._job(NoCheckpoint()))])[0]
         else:  # the profile and the trace of none, side by side
             profile, none = in_children([profile_job, step_fn(**self._job(NoCheckpoint()))])
@@ -588,10 +594,22 @@ class Planner:
                 if tokens >= 8:
                     lines.append(f"  or data.block_size={tokens} (activations scale with the "
                                  "sequence length, at least; about)")
-        if self.precision == "32-true" and dynamic > 0.25 * floor.allocator_peak:
-            lines.append("  or precision=bf16-mixed (activations in 16 bits; parameters, "
-                         "gradients and optimizer state stay fp32)")
+        if self.precision == "32-true" and room > 0 and dynamic / 2 <= room:
+            # autocast keeps some activations in fp32 (normalisation, softmax outputs): half
+            # the dynamic part is the best case, so it is only suggested where that fits
+            lines.append(f"  or precision=bf16-mixed (activations in 16 bits, at best about "
+                         f"{format_bytes(int(static + dynamic / 2))}; parameters, gradients "
+                         "and optimizer state stay fp32)")
         return "\n".join(lines)
+
+
+def _measuring_device(spec: DeviceSpec) -> torch.device:
+    """Where kernel temporaries are measured for a plan on ``spec``: the GPU present when
+    ``spec`` is a GPU and one is here (its kernels, cuDNN/cuBLAS workspaces included),
+    else this CPU."""
+    if spec.name != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def make_plan(build: Builder, batch_size: int, size: Any, memory: Any,

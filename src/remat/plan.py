@@ -37,6 +37,7 @@ from remat.estimate import build_from_config
 from remat.measure import format_bytes
 from remat.planner import InfeasibleBudget, Plan, Planner, PlanStrategy
 from remat.planner.budget import BudgetStrategy
+from remat.planner.plan import SAVED_STATE_VERSION
 from remat.strategies import build_strategy
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,23 @@ def _rng_kept() -> Any:
         set_rng_state(state)
 
 
-def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
+def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = None,
+                 ckpt_path: Any = None) -> Any:
     """The strategy to train with: a :class:`~remat.planner.BudgetStrategy` becomes the
     :class:`~remat.planner.PlanStrategy` of its plan (planned here, before the model is
     built); a replayed plan is checked against the run; anything else is returned as it is.
+
+    Resuming (``ckpt``: the checkpoint at ``ckpt_path``, as
+    :func:`remat.models.checks.read_checkpoint` read it), a budget takes the plan saved in
+    the checkpoint instead of planning again when the checkpoint's plan answered the same
+    request (budget bytes, device, margin, units, objective, calibration, search size,
+    ``model.stages``) for the same run shape (batch size, size, precision, accumulation,
+    FSDP2 ranks): the run then trains on with the plan its earlier steps trained with, even
+    where planning again would pick another one (timed or calibrated unit times). Otherwise
+    it plans again and logs why. The network's fingerprint is checked when the plan is
+    applied: a checkpoint of another network does not fit the model either. Lightning's
+    names (``ckpt_path=last``, ...) are resolved by :func:`remat.train.train` first where
+    it can; ``ckpt=None`` plans as without a checkpoint.
 
     Raises:
         ValueError: a replayed plan made for another batch size, input size or precision
@@ -97,11 +111,17 @@ def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
         remat.planner.InfeasibleBudget: the budget cannot be met.
     """
     if isinstance(strategy, BudgetStrategy):
-        build, batch_size, size, precision, accumulate = run_shape_of(cfg)
+        default_stages = list(cfg.model.get("stages") or [])
         sharding = run_shape.sharding_of(cfg)
+        if ckpt is not None:
+            saved = _saved_plan(cfg, strategy, ckpt, ckpt_path, default_stages,
+                                sharding.reshard_after_forward)
+            if saved is not None:
+                return saved
+        build, batch_size, size, precision, accumulate = run_shape_of(cfg)
         with _rng_kept():  # planning builds models: the run's weights must not change
             return strategy.planned(build, batch_size, size, precision, accumulate,
-                                    default_stages=list(cfg.model.get("stages") or []),
+                                    default_stages=default_stages,
                                     world_size=sharding.world_size,
                                     reshard_after_forward=sharding.reshard_after_forward)
     if isinstance(strategy, PlanStrategy):
@@ -109,12 +129,49 @@ def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
     return strategy
 
 
-def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
-    """Raise if ``plan`` was made for another run shape than ``cfg``'s.
+def _saved_plan(cfg: DictConfig, strategy: BudgetStrategy, ckpt: dict[str, Any],
+                ckpt_path: Any, default_stages: list[str],
+                reshard_after_forward: bool) -> PlanStrategy | None:
+    """The plan saved in ``ckpt`` as a strategy, if it answers ``strategy``'s request for
+    this run; else None, with an INFO line saying why it is planned again."""
+    from remat.models.base import STRATEGY_STATE_KEY
 
-    Raises:
-        ValueError: names ``strategy.path``, the key, the plan's and the run's values.
-    """
+    where = f"ckpt_path={ckpt_path}"
+    saved = ckpt.get(STRATEGY_STATE_KEY)
+    if not isinstance(saved, dict) or "plan" not in saved:
+        log.info("strategy=budget: %s holds no plan (written before checkpoints kept their "
+                 "plan, or by a run under another strategy); planning again", where)
+        return None
+    if saved.get("version") != SAVED_STATE_VERSION:
+        log.info("strategy=budget: %s holds a saved plan of version %r, this remat reads "
+                 "version %d; planning again", where, saved.get("version"),
+                 SAVED_STATE_VERSION)
+        return None
+    try:
+        plan = Plan.from_dict(saved["plan"], f"the plan saved in {where}")
+    except ValueError as err:
+        log.info("strategy=budget: %s; planning again", err)
+        return None
+    differ = strategy.differences(saved.get("request"), default_stages, reshard_after_forward)
+    differ += [f"{key}: {planned} -> {running}"
+               for key, planned, running in plan_mismatches(plan, cfg)]
+    if differ:
+        log.info("strategy=budget: not reusing the plan saved in %s, made for another run "
+                 "than this one (%s); planning again", where, "; ".join(differ))
+        return None
+    log.info("strategy=budget: resuming with the plan saved in %s (planned for %s on %s, "
+             "predicted peak %s, modelled step time x%.3f), not planning again\n%s", where,
+             format_bytes(plan.budget_bytes), plan.device,
+             format_bytes(plan.predicted_allocator_peak_bytes), plan.predicted_overhead,
+             plan.summary())
+    return PlanStrategy(plan, origin=f"the plan saved in {where}", request=saved["request"],
+                        resumed=True)
+
+
+def plan_mismatches(plan: Plan, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
+    """``(key, planned, running)`` for each run-shape key (``data.batch_size``, the size
+    key, ``precision``, ``accumulate_grad_batches``, ``world_size``) where ``plan`` was
+    made for another value than ``cfg`` has; a key the plan does not record is skipped."""
     shape = run_shape.shape_of(cfg.data, cfg.model)
     size = shape.size if not isinstance(shape.size, list) else tuple(shape.size)
     plan_size = tuple(plan.size) if isinstance(plan.size, list) else plan.size
@@ -124,11 +181,23 @@ def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
               ("accumulate_grad_batches", plan.accumulate_grad_batches,
                int(cfg.get("accumulate_grad_batches", 1) or 1)),
               ("world_size", plan.world_size, run_shape.sharding_of(cfg).world_size))
-    for key, planned, running in checks:
-        if planned and running is not None and planned != running:
-            raise ValueError(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
-                             f"this run has {key}={running}; plan again for this run "
-                             f"(python -m remat.plan ... {key}={running}) or set {key} back")
+    return [(key, planned, running) for key, planned, running in checks
+            if planned and running is not None and planned != running]
+
+
+def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
+    """Raise if ``plan`` was made for another run shape than ``cfg``'s
+    (:func:`plan_mismatches`).
+
+    Raises:
+        ValueError: names ``strategy.path``, the key, the plan's and the run's values.
+    """
+    mismatches = plan_mismatches(plan, cfg)
+    if mismatches:
+        key, planned, running = mismatches[0]
+        raise ValueError(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
+                         f"this run has {key}={running}; plan again for this run "
+                         f"(python -m remat.plan ... {key}={running}) or set {key} back")
 
 
 def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:

@@ -12,6 +12,7 @@ loader state for resuming (:class:`~remat.callbacks.ResumeState`), the monitor c
 from __future__ import annotations
 
 import logging
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -82,13 +83,55 @@ def _exit_code(err: BaseException, callbacks: list[Any]) -> int | None:
     return 128 + int(getattr(signal, name))
 
 
-def _strategy(cfg: DictConfig) -> Any:
+def _strategy(cfg: DictConfig, ckpt: dict[str, Any] | None = None,
+              ckpt_path: Any = None) -> Any:
     """``cfg.strategy`` instantiated; a memory budget (``strategy=budget``) is planned here,
-    before the model is built, and a replayed plan checked against the run
-    (:func:`remat.plan.plan_for_run`)."""
+    before the model is built, or, resuming, takes the plan saved in ``ckpt`` where that
+    plan answers the same budget for the same run; a replayed plan is checked against the
+    run (:func:`remat.plan.plan_for_run`)."""
     from remat.plan import plan_for_run
 
-    return plan_for_run(cfg, instantiate(cfg.strategy))
+    return plan_for_run(cfg, instantiate(cfg.strategy), ckpt, ckpt_path)
+
+
+_LAST = re.compile(r"^last(-\d+)?\.ckpt$")  # Lightning's last checkpoints (ModelCheckpoint)
+
+
+def resolve_last(cfg: DictConfig) -> str | None:
+    """The file ``ckpt_path=last`` names, found before the Trainer exists: the newest
+    ``last.ckpt``/``last-<n>.ckpt`` in the checkpoint folders of the configured callbacks
+    (``callbacks.<name>.dirpath``; ``<output_dir>/checkpoints`` by default), as Lightning
+    looks for it among its checkpoint callbacks' folders; None when there is none (the
+    name then goes to Lightning as it is, which starts from scratch with a warning)."""
+    folders = {Path(cfg.paths.output_dir) / "checkpoints"}
+    for conf in (cfg.get("callbacks") or {}).values():
+        if isinstance(conf, DictConfig) and conf.get("dirpath"):
+            folders.add(Path(str(conf.dirpath)))
+    found = [p for folder in folders if folder.is_dir() for p in folder.iterdir()
+             if _LAST.match(p.name)]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
+def _checkpoint_to_resume(cfg: DictConfig) -> tuple[Any, dict[str, Any] | None]:
+    """``(ckpt_path, checkpoint)``: the path to pass to ``Trainer.fit`` (``last`` resolved
+    by :func:`resolve_last` where it can be) and the checkpoint read once, with
+    ``weights_only=True``, for the plan it keeps and the model check; ``(name, None)`` for
+    Lightning's other names and for no checkpoint.
+
+    Raises:
+        ValueError, FileNotFoundError: see :func:`~remat.models.checks.read_checkpoint`
+            and :func:`~remat.models.checks.check_sharded_resume`.
+    """
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path and str(ckpt_path) == "last":
+        resolved = resolve_last(cfg)
+        if resolved is not None:
+            log.info("ckpt_path=last: resuming from %s", resolved)
+            ckpt_path = resolved
+    if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
+        return ckpt_path, None
+    check_sharded_resume(ckpt_path, run_shape.trains_sharded(cfg))
+    return ckpt_path, read_checkpoint(ckpt_path)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -118,12 +161,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             OmegaConf.save(cfg, out / "config.yaml", resolve=True)
             L.seed_everything(cfg.seed, workers=True)
             datamodule = instantiate(cfg.data)
-            model = instantiate(cfg.model, strategy=_strategy(cfg))
+            ckpt_path, ckpt = _checkpoint_to_resume(cfg)
+            model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
             check_model_fits_data(model, datamodule, _choice("model"), _choice("data"))
-            ckpt_path = cfg.get("ckpt_path")
-            if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES:
-                check_sharded_resume(ckpt_path, run_shape.trains_sharded(cfg))
-                check_checkpoint_fits(model, read_checkpoint(ckpt_path), ckpt_path)
+            if ckpt is not None:
+                check_checkpoint_fits(model, ckpt, ckpt_path)
+                del ckpt  # Lightning reads the file again in fit, with the optimizer state
             callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
             trainer = instantiate(cfg.trainer, callbacks=callbacks,
                                   logger=instantiate_group(cfg.get("logger"), "logger") or False)

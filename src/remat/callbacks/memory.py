@@ -10,6 +10,14 @@ import torch
 from remat.measure import PeakMemory
 
 
+def _strategy_of(pl_module: L.LightningModule) -> dict[str, Any]:
+    """The strategy's name and its plan's one-line-per-unit summary (None without one)."""
+    strategy = getattr(pl_module, "strategy", None)
+    plan = getattr(strategy, "plan", None)
+    return {"strategy": getattr(strategy, "name", None),
+            "plan": plan.summary() if hasattr(plan, "summary") else None}
+
+
 class PeakMemoryMonitor(L.Callback):
     """Measures the peak memory of the training batches of this process's first
     ``track_steps`` optimizer steps, and of each epoch where that is cheap.
@@ -51,6 +59,7 @@ class PeakMemoryMonitor(L.Callback):
         self.steps_done = 0
         self.skipped_reason: str | None = None
         self.history: list[dict[str, Any]] = []
+        self.measured_under: dict[str, Any] | None = None  # strategy and plan measured
         self._current: PeakMemory | None = None
         self._epoch_peak: int | None = None
         self._step_before = 0
@@ -64,7 +73,9 @@ class PeakMemoryMonitor(L.Callback):
         """Which batches were measured: ``batches`` (count), ``optimizer_steps`` (the
         global steps completed by them), ``first``/``last`` (``[epoch, batch_idx]``),
         ``batch_peaks_bytes`` (each batch's peak, in order); ``previous_runs`` holds what
-        earlier runs of a resumed training measured (``peak_bytes``, ``optimizer_steps``)."""
+        earlier runs of a resumed training measured (``peak_bytes``, ``optimizer_steps``,
+        and the ``strategy`` and ``plan`` (:meth:`~remat.planner.Plan.summary`, or None)
+        those steps ran under: a resume may change either)."""
         steps = [int(b["global_step"]) for b in self.batches if b["optimizer_step"]]
         return {
             "batches": len(self.batches),
@@ -93,6 +104,8 @@ class PeakMemoryMonitor(L.Callback):
             self.skipped_reason = ("not measured: the CPU tracker (MemTracker) cannot run "
                                    "while torch.compile traces the compiled stages")
             return
+        if self.measured_under is None:
+            self.measured_under = _strategy_of(pl_module)
         self._current = PeakMemory(pl_module.device, modules=[pl_module],
                                    optimizers=trainer.optimizers, split=False)
         self._current.__enter__()
@@ -138,7 +151,8 @@ class PeakMemoryMonitor(L.Callback):
         runs = list(self.history)
         if self.batches:
             runs.append({"peak_bytes": self.peak_bytes,
-                         "optimizer_steps": self.measured()["optimizer_steps"]})
+                         "optimizer_steps": self.measured()["optimizer_steps"],
+                         **(self.measured_under or {})})
         return {"epoch_peaks": list(self.epoch_peaks), "history": runs}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

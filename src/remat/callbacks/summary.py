@@ -144,12 +144,15 @@ def failure_summary(cfg: DictConfig, err: BaseException) -> dict[str, Any]:
 
 
 def _plan_of(pl_module: Any, memory: Any) -> dict[str, Any] | None:
-    """The plan the run trains with (``strategy=budget`` or ``strategy=plan``), with the
+    """The plan the run trains with (``strategy=budget`` or ``strategy=plan``; resumed, the
+    plan saved in the checkpoint where it was reused), with ``origin`` and this process's
     measured peak beside the predicted one; None for other strategies."""
     plan = getattr(getattr(pl_module, "strategy", None), "plan", None)
     if plan is None or not hasattr(plan, "to_dict"):
         return None
     out = plan.to_dict()
+    # planned at start, replayed from a file, or taken from the checkpoint resumed
+    out["origin"] = getattr(pl_module.strategy, "origin", None)
     out["measured_peak_bytes"] = getattr(memory, "peak_bytes", None)
     # on CUDA the run measures the allocator (batch and kernel buffers included), on the
     # CPU the tensors (MemTracker): each beside the prediction of the same thing

@@ -20,12 +20,18 @@ from remat.strategies.stages import as_stage_list
 
 log = logging.getLogger(__name__)
 
+#: Key of a Lightning checkpoint under which the strategy's own record is kept
+#: (:meth:`~remat.strategies.CheckpointStrategy.state_for_checkpoint`: a plan and what it
+#: was planned for), as plain data.
+STRATEGY_STATE_KEY = "remat_strategy"
+
 
 class StrategyModule(L.LightningModule):
     """Base LightningModule: ``self.net`` with ``strategy`` applied to ``stages``.
 
     Subclasses build ``net`` and call :meth:`wrap_net`. After the first training batch the
-    strategy verifies that what it wrapped was on the code path actually used.
+    strategy verifies that what it wrapped was on the code path actually used. Every
+    checkpoint keeps the strategy's record (:meth:`on_save_checkpoint`).
     """
 
     net: nn.Module
@@ -124,6 +130,14 @@ class StrategyModule(L.LightningModule):
                 f"rank: {every}); every rank must apply the same strategy and plan. With "
                 "strategy=budget strategy.calibrate=true plan once (python -m remat.plan) "
                 "and replay it with strategy=plan strategy.path=plan.json")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the strategy's record (a plan, with what it was planned for) in every
+        checkpoint, under :data:`STRATEGY_STATE_KEY`: a run resumed with ``strategy=budget``
+        trains on with that plan instead of planning again (:func:`remat.plan.plan_for_run`)."""
+        state = self.strategy.state_for_checkpoint()
+        if state is not None:
+            checkpoint[STRATEGY_STATE_KEY] = state
 
     def on_fit_start(self) -> None:
         self.strategy.preflight(self.net)  # e.g. SyncBatchNorm inside a recomputed unit

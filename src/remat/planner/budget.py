@@ -17,6 +17,13 @@ from remat.strategies.base import CheckpointStrategy, StrategyReport
 
 log = logging.getLogger(__name__)
 
+#: The keys of :meth:`BudgetStrategy.request` and the config keys that set them.
+_REQUEST_KEYS = (("budget_bytes", "strategy.memory"), ("device", "strategy.device"),
+                 ("margin", "strategy.margin"), ("units", "strategy.units"),
+                 ("objective", "strategy.objective"), ("calibrate", "strategy.calibrate"),
+                 ("max_traces", "strategy.max_traces"), ("default_stages", "model.stages"),
+                 ("reshard_after_forward", "trainer.strategy.reshard_after_forward"))
+
 
 class BudgetStrategy(CheckpointStrategy):
     """Train with the least recompute whose predicted peak fits ``memory``.
@@ -77,6 +84,7 @@ class BudgetStrategy(CheckpointStrategy):
         Raises:
             remat.planner.InfeasibleBudget: no plan fits (what would fit is in the message).
         """
+        request = self.request(default_stages, reshard_after_forward)
         planned = make_plan(build, batch_size, size, self.budget_bytes, precision,
                             device=self.spec, units=self.units, margin=self.margin,
                             max_traces=self.max_traces, objective=self.objective,
@@ -92,9 +100,40 @@ class BudgetStrategy(CheckpointStrategy):
                  format_bytes(plan.predicted_peak_bytes), format_bytes(plan.none_peak_bytes),
                  1 + plan.recompute_flops / max(plan.step_flops, 1), plan.predicted_overhead,
                  plan.summary())
-        strategy = PlanStrategy(plan)
+        strategy = PlanStrategy(plan, origin=f"strategy=budget, planned for "
+                                f"{format_bytes(self.budget_bytes)} on {self.spec.name}",
+                                request=request)
         strategy.planned = planned
         return strategy
+
+    def request(self, default_stages: Sequence[str] = (),
+                reshard_after_forward: bool = True) -> dict[str, Any]:
+        """What this budget asks the planner for, as plain data: the budget in bytes, the
+        device's name and every search setting, with the model's default stages (candidate
+        plans) and, for FSDP2, ``reshard_after_forward``. A plan saved in a checkpoint is
+        reused on resume only for the same request (:meth:`differences`)."""
+        return {"budget_bytes": int(self.budget_bytes), "device": self.spec.name,
+                "margin": self.margin, "units": self.units, "objective": self.objective,
+                "calibrate": self.calibrate, "max_traces": self.max_traces,
+                "default_stages": list(default_stages),
+                "reshard_after_forward": bool(reshard_after_forward)}
+
+    def differences(self, saved: dict[str, Any] | None, default_stages: Sequence[str] = (),
+                    reshard_after_forward: bool = True) -> list[str]:
+        """How this budget's :meth:`request` differs from ``saved`` (a checkpoint's), one
+        ``<config key>: <saved> -> <now>`` per key; empty when the same plan is asked for."""
+        if saved is None:
+            return ["the saved plan was replayed from a file (strategy=plan), not planned "
+                    "for a budget"]
+        now = self.request(default_stages, reshard_after_forward)
+        out = []
+        for key, name in _REQUEST_KEYS:
+            then, here = saved.get(key), now[key]
+            if then != here:
+                if key == "budget_bytes" and then is not None:
+                    then, here = format_bytes(then), format_bytes(here)
+                out.append(f"{name}: {then} -> {here}")
+        return out
 
     def apply(self, model: nn.Module, stages: Any = ()) -> StrategyReport:
         """Refuse: a budget is planned before the model is built.

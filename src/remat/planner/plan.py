@@ -27,6 +27,8 @@ from remat.strategies.selective import SelectiveCheckpoint
 from remat.strategies.stages import StageError, resolve_stages
 
 PLAN_VERSION = 1
+#: Version of :meth:`PlanStrategy.state_for_checkpoint`'s record.
+SAVED_STATE_VERSION = 1
 
 
 @dataclass
@@ -174,9 +176,18 @@ class PlanStrategy(RecomputeStrategy):
     once, dropout masks kept, ``torch.compile`` composes), because each segment is run by
     the same mechanism (:mod:`remat.strategies.recompute`).
 
+    Every training checkpoint keeps the plan (:meth:`state_for_checkpoint`), so a run
+    resumed with ``strategy=budget`` trains on with it instead of planning again.
+
     Args:
         plan: a :class:`Plan`, its dict form, or ``None`` with ``path``.
         path: a ``plan.json`` to read (``strategy=plan strategy.path=plan.json``).
+        origin: where the plan comes from, for messages and ``summary.json`` (default
+            ``strategy.path=...``, or ``plan``).
+        request: what a budget asked for when this plan was made
+            (:meth:`~remat.planner.BudgetStrategy.request`); ``None`` for a replayed file.
+        resumed: the plan was read from the checkpoint being resumed (a plan for another
+            network then means the checkpoint does not fit the model either).
 
     Raises:
         FileNotFoundError, ValueError: the plan file is missing or not a plan.
@@ -185,7 +196,9 @@ class PlanStrategy(RecomputeStrategy):
     name = "plan"
     names_own_units = True  # model.stages is not used: errors name the plan, not the stages
 
-    def __init__(self, plan: Plan | dict | None = None, path: str | None = None) -> None:
+    def __init__(self, plan: Plan | dict | None = None, path: str | None = None,
+                 origin: str | None = None, request: dict | None = None,
+                 resumed: bool = False) -> None:
         if plan is None and path is None:
             raise ValueError("strategy plan: give strategy.path=<plan.json> (written by "
                              "python -m remat.plan) or a plan")
@@ -195,6 +208,9 @@ class PlanStrategy(RecomputeStrategy):
             plan = Plan.from_dict(plan)
         self.plan = plan
         self.path = str(path) if path is not None else None
+        self.origin = origin or (f"strategy.path={self.path!r}" if self.path else "plan")
+        self.request = dict(request) if request is not None else None
+        self.resumed = bool(resumed)
         self._full = FullCheckpoint()
         self._selective = SelectiveCheckpoint("matmul")
 
@@ -207,11 +223,13 @@ class PlanStrategy(RecomputeStrategy):
         """
         from remat.planner.profile import fingerprint
 
-        where = f"strategy.path={self.path!r}" if self.path else "plan"
+        where = self.origin
         if self.plan.fingerprint and fingerprint(model) != self.plan.fingerprint:
+            todo = ("the checkpoint was trained with that network: resume it with the model "
+                    "config it was trained with" if self.resumed
+                    else "plan again for this model with python -m remat.plan")
             raise ValueError(f"{where}: this plan was made for another network ("
-                             f"{self.plan.model or 'unknown'}, parameters differ); plan again "
-                             "for this model with python -m remat.plan")
+                             f"{self.plan.model or 'unknown'}, parameters differ); {todo}")
         units = [u for u in self.plan.units if u.changed]
         try:
             resolved = dict(resolve_stages(model, [u.path for u in units])) if units else {}
@@ -230,6 +248,13 @@ class PlanStrategy(RecomputeStrategy):
             raise
         wrapping.arm(model, self.name)
         return report
+
+    def state_for_checkpoint(self) -> dict:
+        """What every training checkpoint keeps (plain data, read with
+        ``torch.load(weights_only=True)``): ``plan`` (:meth:`Plan.to_dict`), ``request``
+        (the budget's request, or ``None`` for a replayed plan), ``origin`` and ``version``."""
+        return {"version": SAVED_STATE_VERSION, "plan": self.plan.to_dict(),
+                "request": self.request, "origin": self.origin}
 
     def _wrap_unit(self, unit: UnitPlan, module: nn.Module, report: StrategyReport,
                    where: str) -> None:

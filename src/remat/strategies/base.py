@@ -118,6 +118,12 @@ class CheckpointStrategy:
         converted BatchNorm to SyncBatchNorm), what the wrapping cannot do; raise a clear
         error naming the module. Default: nothing to check."""
 
+    def state_for_checkpoint(self) -> dict | None:
+        """Plain data (dicts, lists, strings, numbers) a training run keeps in every
+        checkpoint it writes, so that a resumed run can make the same decisions (a plan's
+        units and what it was planned for); ``None``: nothing to keep (the default)."""
+        return None
+
     def verify(self, model: nn.Module) -> None:
         """Check, after one training forward, that the wrapping is on the code path used.
 

@@ -55,7 +55,7 @@ from remat.estimate import estimate
 if "$DEVICE" == "cuda":
     budget = $FRACTION * torch.cuda.get_device_properties(0).total_memory
 else:  # CPU: a fixed small budget in bytes, scaled like the GPU's 80%
-    budget = 8 * 2**20
+    budget = 16 * 2**20
 best, size = None, $SEQ_START
 with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
     while size <= $SEQ_MAX:

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 _REQUEST_KEYS = (("budget_bytes", "strategy.memory"), ("device", "strategy.device"),
                  ("margin", "strategy.margin"), ("units", "strategy.units"),
                  ("objective", "strategy.objective"), ("calibrate", "strategy.calibrate"),
-                 ("max_traces", "strategy.max_traces"), ("default_stages", "model.stages"),
+                 ("max_traces", "strategy.max_traces"), ("temporaries", "strategy.temporaries"),
+                 ("default_stages", "model.stages"),
                  ("reshard_after_forward", "trainer.strategy.reshard_after_forward"))
 
 
@@ -115,7 +116,7 @@ class BudgetStrategy(CheckpointStrategy):
         return {"budget_bytes": int(self.budget_bytes), "device": self.spec.name,
                 "margin": self.margin, "units": self.units, "objective": self.objective,
                 "calibrate": self.calibrate, "max_traces": self.max_traces,
-                "default_stages": list(default_stages),
+                "temporaries": self.temporaries, "default_stages": list(default_stages),
                 "reshard_after_forward": bool(reshard_after_forward)}
 
     def differences(self, saved: dict[str, Any] | None, default_stages: Sequence[str] = (),

@@ -104,6 +104,27 @@ def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, shakespear
     assert_same_run(gpt_reference, run_dir, steps=12)
 
 
+def test_a_max_steps_stop_inside_an_epoch_resumes_that_epoch(tmp_path, shakespeare_root):
+    """A run stopped by ``trainer.max_steps`` inside its first epoch (step 4 of 6), then
+    resumed without the limit, trains the rest of that epoch and the next: the uninterrupted
+    run's losses and weights. Written at train end instead, the checkpoint counted the epoch
+    as finished, and the resumed run trained 8 steps in all, not 12. (No LR schedule here:
+    warm-up + cosine runs over ``max_steps``, so a first run with another limit has other
+    learning rates.) In process: no signal is involved."""
+    from remat.train import train
+    from tests.helpers import compose_train
+
+    overrides = [*gpt(shakespeare_root), "model.scheduler=null"]
+    train(compose_train(tmp_path / "reference", overrides))
+    run_dir = tmp_path / "run"
+    first = train(compose_train(run_dir, [*overrides, "trainer.max_steps=4"]))
+    assert first["global_step"] == 4 == ckpt(run_dir)["global_step"]
+    assert ckpt(run_dir)["epoch"] == 0  # the epoch is still open in the checkpoint
+    train(compose_train(run_dir, [*overrides,
+                                  f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]))
+    assert_same_run(tmp_path / "reference", run_dir, steps=12)
+
+
 @pytest.fixture(scope="module")
 def unet_reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref") / "run"

@@ -71,7 +71,11 @@ class LastCheckpoint(Checkpoint):
       does, so the best record inside ``last.ckpt`` names the best file on disk), or at
       ``on_train_epoch_end`` when no validation runs then,
     * every ``every_n_train_steps`` optimizer steps if set,
-    * when training ends (so its ``global_step`` is the run's last step),
+    * when training ends (so its ``global_step`` is the run's last step); a stop inside an
+      epoch (``trainer.max_steps``, ``max_time``, ``trainer.should_stop``) is written after
+      that batch, with the epoch still open, so a resume with a higher limit trains the
+      rest of that epoch (written at train end, Lightning's loop state counts the epoch as
+      finished, and a resume would go on with the next one),
     * on SIGTERM or SIGINT: the signal is held until the current optimizer step is complete
       (all accumulated batches, or the epoch end), the checkpoint is written, and the run stops
       through Lightning's SIGTERM path (``SIGTERMException``, ``on_exception`` hooks, loggers
@@ -192,6 +196,13 @@ class LastCheckpoint(Checkpoint):
         if self._signalled(trainer) and not last_batch:  # at the epoch's end: after validation
             self._stop(trainer, "signal")
             return
+        if not last_batch and (trainer.should_stop or 0 < trainer.max_steps
+                               <= trainer.global_step):
+            # training stops inside the epoch (trainer.max_steps, max_time): write it here.
+            # By on_train_end Lightning has counted the epoch as finished, and a resume
+            # from that state would skip the rest of it
+            self.save(trainer, "stop_mid_epoch")
+            return
         n = self.every_n_train_steps
         if n and trainer.global_step % n == 0 and not last_batch:
             self.save(trainer, "every_n_train_steps")
@@ -207,7 +218,7 @@ class LastCheckpoint(Checkpoint):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._saved_at is None or self._saved_at[:2] != (trainer.current_epoch,
                                                             trainer.global_step) \
-                or self._saved_at[2] not in ("epoch_end", "signal"):
+                or self._saved_at[2] not in ("epoch_end", "signal", "stop_mid_epoch"):
             self._epoch_end(trainer)  # no validation at this epoch's end
 
     def _signalled(self, trainer: L.Trainer) -> bool:

@@ -35,7 +35,7 @@ from remat import run_shape
 from remat.config import config_dir
 from remat.estimate import build_from_config
 from remat.measure import format_bytes
-from remat.planner import InfeasibleBudget, Plan, Planner, PlanStrategy
+from remat.planner import InfeasibleBudget, Plan, PlanMismatch, Planner, PlanStrategy
 from remat.planner.budget import BudgetStrategy
 from remat.strategies import build_strategy
 
@@ -92,8 +92,8 @@ def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
     built); a replayed plan is checked against the run; anything else is returned as it is.
 
     Raises:
-        ValueError: a replayed plan made for another batch size, input size or precision
-            (naming ``strategy.path`` and the key).
+        remat.planner.PlanMismatch: a replayed plan made for another batch size, input size
+            or precision (naming ``strategy.path`` and the key).
         remat.planner.InfeasibleBudget: the budget cannot be met.
     """
     if isinstance(strategy, BudgetStrategy):
@@ -113,7 +113,8 @@ def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
     """Raise if ``plan`` was made for another run shape than ``cfg``'s.
 
     Raises:
-        ValueError: names ``strategy.path``, the key, the plan's and the run's values.
+        remat.planner.PlanMismatch: (a ``ValueError``) names ``strategy.path``, the key, the
+            plan's and the run's values.
     """
     shape = run_shape.shape_of(cfg.data, cfg.model)
     size = shape.size if not isinstance(shape.size, list) else tuple(shape.size)
@@ -126,9 +127,10 @@ def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
               ("world_size", plan.world_size, run_shape.sharding_of(cfg).world_size))
     for key, planned, running in checks:
         if planned and running is not None and planned != running:
-            raise ValueError(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
-                             f"this run has {key}={running}; plan again for this run "
-                             f"(python -m remat.plan ... {key}={running}) or set {key} back")
+            raise PlanMismatch(f"strategy.path={path!r}: the plan was made for {key}="
+                               f"{planned}, this run has {key}={running}; plan again for this "
+                               f"run (python -m remat.plan ... {key}={running}) or set {key} "
+                               "back")
 
 
 def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:

@@ -29,6 +29,13 @@ from remat.strategies.stages import StageError, resolve_stages
 PLAN_VERSION = 1
 
 
+class PlanMismatch(ValueError):
+    """A replayed plan was made for another network (its parameters differ) or run shape
+    (batch size, input size, precision, accumulation, world size) than the run's; the
+    message names ``strategy.path`` and, for a run shape, the key and both values.
+    ``python train.py`` reports it in one line (exit code 1)."""
+
+
 @dataclass
 class UnitPlan:
     """One unit of a plan: ``path``, ``kind`` (``chain`` | ``module``) and its segments
@@ -202,14 +209,14 @@ class PlanStrategy(RecomputeStrategy):
         """Wrap ``model`` (the network) as the plan says; ``stages`` is ignored.
 
         Raises:
-            ValueError: the plan was made for another network (fingerprint differs).
+            PlanMismatch: the plan was made for another network (fingerprint differs).
             StageError: a unit path matches nothing, or its segments do not fit it.
         """
         from remat.planner.profile import fingerprint
 
         where = f"strategy.path={self.path!r}" if self.path else "plan"
         if self.plan.fingerprint and fingerprint(model) != self.plan.fingerprint:
-            raise ValueError(f"{where}: this plan was made for another network ("
+            raise PlanMismatch(f"{where}: this plan was made for another network ("
                              f"{self.plan.model or 'unknown'}, parameters differ); plan again "
                              "for this model with python -m remat.plan")
         units = [u for u in self.plan.units if u.changed]

@@ -1,0 +1,54 @@
+"""What a user of ``strategy=plan`` sees: a plan of another run shape or network refused
+in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import read_write
+
+from remat.planner import PlanMismatch
+from remat.train import main as train_main
+from tests.helpers import TINY, compose_train
+
+
+def _plan_file(tmp_path, **fields):
+    """A plan.json written by hand: no units changed, made for ``fields``."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"units": [], "version": 1, "batch_size": 4, "size": 64,
+                                "precision": "32-true", "device": "cpu",
+                                "predicted_allocator_peak_bytes": 3 * 2**20} | fields))
+    return path
+
+
+@pytest.mark.parametrize(("fields", "mode"), [
+    ({"batch_size": 2}, RunMode.RUN), ({"batch_size": 2}, RunMode.MULTIRUN),
+    ({"fingerprint": "0123abcd", "model": "Unet"}, RunMode.RUN)])
+def test_a_plan_of_another_run_shape_or_network_fails_in_one_line(tmp_path, fields, mode):
+    """``python train.py`` (the Hydra app's function, as Hydra calls it): a single run ends
+    with the message as ``SystemExit`` (Python prints it alone on stderr, exit code 1, no
+    traceback), also where ``instantiate`` wraps it (the network check runs in the model's
+    constructor); a multirun job raises, so Hydra runs the sweep's other jobs."""
+    path = _plan_file(tmp_path, **fields)
+    cfg = compose_train(tmp_path / "run", [*TINY, "strategy=plan", f"strategy.path={path}"])
+    with read_write(cfg.hydra):
+        cfg.hydra.mode = mode
+    HydraConfig().set_config(cfg)
+    message = (f"strategy.path='{path}': the plan was made for data.batch_size=2, this run "
+               "has data.batch_size=4; plan again for this run (python -m remat.plan ... "
+               "data.batch_size=4) or set data.batch_size back" if "batch_size" in fields else
+               f"strategy.path='{path}': this plan was made for another network (Unet, "
+               "parameters differ); plan again for this model with python -m remat.plan")
+    if mode is RunMode.RUN:
+        with pytest.raises(SystemExit) as stop:
+            train_main.__wrapped__(cfg)
+        assert stop.value.code == f"error: {message}" and stop.value.__cause__ is None
+    else:
+        with pytest.raises(PlanMismatch) as raised:
+            train_main.__wrapped__(cfg)
+        assert str(raised.value) == message
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "strategy.path=" in summary["error"]

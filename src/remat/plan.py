@@ -37,6 +37,7 @@ from remat.estimate import build_from_config
 from remat.measure import format_bytes
 from remat.planner import InfeasibleBudget, Plan, PlanMismatch, Planner, PlanStrategy
 from remat.planner.budget import BudgetStrategy
+from remat.planner.devices import known_devices, present_device_name
 from remat.strategies import build_strategy
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,32 @@ def plan_for_run(cfg: DictConfig, strategy: Any) -> Any:
                                     reshard_after_forward=sharding.reshard_after_forward)
     if isinstance(strategy, PlanStrategy):
         check_plan_fits(strategy.plan, cfg, strategy.path)
+        warn_if_other_device(strategy.plan, cfg, strategy.path)
     return strategy
+
+
+def warn_if_other_device(plan: Plan, cfg: DictConfig, path: str | None) -> str | None:
+    """Log a warning when ``plan`` was made for another device kind than the one this run
+    trains on (``trainer.accelerator``, :func:`remat.planner.devices.present_device_name`):
+    its predicted peak and step time hold on the planned device only. A plan without a
+    device, or made for this one, is silent. Returns the warning (None if none)."""
+    planned = str(plan.device or "").strip().lower().replace("-", "_")
+    if not planned:
+        return None
+    present = present_device_name(OmegaConf.select(cfg, "trainer.accelerator",
+                                                   default="auto"))
+    if planned == present:
+        return None
+    again = (f"strategy=budget strategy.device={present} (or python -m remat.plan ... "
+             f"device={present})" if present in known_devices() else
+             "strategy=budget strategy.device={name: ..., memory_bytes: ..., fp32_flops: ..., "
+             "bf16_flops: ..., bandwidth: ...} (this device is not in the device table)")
+    message = (f"strategy.path={path!r}: the plan was made for device {plan.device}, this run "
+               f"trains on {present}; its predicted peak "
+               f"({format_bytes(plan.predicted_allocator_peak_bytes)}) holds on "
+               f"{plan.device} only. Plan again for this device: {again}")
+    log.warning(message)
+    return message
 
 
 def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:

@@ -1,16 +1,18 @@
 """What a user of ``strategy=plan`` sees: a plan of another run shape or network refused
-in one line."""
+in one line, a warning for a plan of another device."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import read_write
 
-from remat.planner import PlanMismatch
+from remat.plan import plan_for_run
+from remat.planner import PlanMismatch, PlanStrategy, devices
 from remat.train import main as train_main
 from tests.helpers import TINY, compose_train
 
@@ -52,3 +54,30 @@ def test_a_plan_of_another_run_shape_or_network_fails_in_one_line(tmp_path, fiel
         assert str(raised.value) == message
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "strategy.path=" in summary["error"]
+
+
+def test_a_plan_for_another_device_warns_and_trains(tmp_path, caplog):
+    cfg = compose_train(tmp_path, TINY)  # trainer.accelerator=cpu
+    path = _plan_file(tmp_path, device="h100")
+    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+        strategy = plan_for_run(cfg, PlanStrategy(path=str(path)))
+    assert isinstance(strategy, PlanStrategy)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"strategy.path='{path}': the plan was made for device h100, this run "
+                        "trains on cpu; its predicted peak (3.0 MiB) holds on h100 only. "
+                        "Plan again for this device: strategy=budget strategy.device=cpu (or "
+                        "python -m remat.plan ... device=cpu)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+        plan_for_run(cfg, PlanStrategy(path=str(_plan_file(tmp_path, device="cpu"))))
+    assert not caplog.records  # a cpu plan on this CPU
+
+
+def test_the_device_present_is_named_as_the_device_table_does(monkeypatch):
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices, "_present_cuda", lambda: devices.DEVICES["h100"])
+    assert devices.present_device_name("auto") == "h100"
+    assert devices.present_device_name("gpu") == "h100"
+    assert devices.present_device_name("cpu") == "cpu"  # a CPU run on a GPU machine
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    assert devices.present_device_name("auto") == "cpu"

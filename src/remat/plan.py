@@ -236,8 +236,13 @@ def format_points(points: list[Point]) -> str:
     return "\n".join(lines)
 
 
+#: Marker of each fixed strategy in ``frontier.png`` (by its label without the stages).
+MARKERS = {"none": "s", "full": "v", "sqrtn": "^", "every_k k=2": "<", "every_k k=4": ">",
+           "selective matmul": "D"}
+
+
 def write_frontier(points: list[Point], out: Path, title: str) -> None:
-    """``frontier.csv`` and ``frontier.png`` (peak MiB vs recompute FLOPs x none)."""
+    """``frontier.csv`` and ``frontier.png`` (:func:`frontier_figure`)."""
     with (out / "frontier.csv").open("w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["kind", "label", "budget_bytes", "peak_bytes", "recompute_flops",
@@ -245,26 +250,50 @@ def write_frontier(points: list[Point], out: Path, title: str) -> None:
         for p in points:
             writer.writerow([p.kind, p.label, p.budget_bytes, p.peak_bytes, p.recompute_flops,
                              p.flops_ratio, p.overhead, p.note])
+    import matplotlib.pyplot as plt
+
+    fig = frontier_figure(points, title)
+    fig.savefig(out / "frontier.png", dpi=120)
+    plt.close(fig)
+
+
+def frontier_figure(points: list[Point], title: str) -> Any:
+    """The frontier as a matplotlib ``Figure`` (Agg): traced peak (MiB) against step FLOPs
+    x none, the plans as a line, each fixed strategy with its own marker and colour, filled
+    on the model's default stages and hollow (larger) on the whole network, so points that
+    coincide still show. A legend beside the axes names them (no text at the points, which
+    overlapped) and ``title`` is wrapped to the figure's width (constrained layout)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     plans = [p for p in points if p.kind == "plan" and p.peak_bytes is not None]
     ax.plot([p.peak_bytes / 2**20 for p in plans], [p.flops_ratio for p in plans], "o-",
-            label="remat plan (budget)")
+            color="C0", label="remat plans (budgets)", zorder=3)
+    colors: dict[str, str] = {}
     for p in points:
-        if p.kind == "fixed" and p.peak_bytes is not None:
-            ax.scatter(p.peak_bytes / 2**20, p.flops_ratio, marker="x")
-            ax.annotate(p.label, (p.peak_bytes / 2**20, p.flops_ratio), fontsize=7)
+        if p.kind != "fixed" or p.peak_bytes is None:
+            continue
+        name, _, stages = p.label.partition(" (")
+        first = name not in colors
+        color = colors.setdefault(name, f"C{len(colors) + 1}")
+        whole = stages.startswith("whole")
+        ax.scatter(p.peak_bytes / 2**20, p.flops_ratio, marker=MARKERS.get(name, "o"),
+                   s=80 if whole else 30, facecolors="none" if whole else color,
+                   edgecolors=color, linewidths=1.2, label=name if first else None,
+                   zorder=4 if whole else 5)
     ax.set_xlabel("traced peak of a training step (MiB)")
     ax.set_ylabel("step FLOPs x none (recompute cost)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "frontier.png", dpi=120)
-    plt.close(fig)
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+              title="fixed strategies:\nfilled: model.stages\nhollow: whole network",
+              title_fontsize=7, alignment="left")
+    return fig
 
 
 def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str, Any]]:
@@ -325,10 +354,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                       world_size=sharding.world_size,
                       reshard_after_forward=sharding.reshard_after_forward)
     spec = planner.spec
-    head = (f"plan for {planner.profile.model}, batch {batch_size}, size {size}, {precision}"
-            + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
-            + (f", one of {sharding.world_size} FSDP2 ranks" if sharding.world_size > 1 else "")
-            + f", on {spec.title} ({spec.name}; {spec.source})")
+    shape = (f"{planner.profile.model}, batch {batch_size}, size {size}, {precision}"
+             + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
+             + (f", one of {sharding.world_size} FSDP2 ranks" if sharding.world_size > 1
+                else "")
+             + f", on {spec.title}")
+    head = f"plan for {shape} ({spec.name}; {spec.source})"
     print(head)
     result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes,
                               "none_allocator_peak_bytes": planner.none.allocator_peak}
@@ -354,7 +385,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if points:
         print("frontier (plans for budgets from the floor to none) and fixed strategies:")
         print(format_points(points))
-        write_frontier(points, out, head)
+        write_frontier(points, out, shape)
         result["frontier"] = [vars(p) for p in points]
     if cfg.get("effective_batch_size"):
         if cfg.get("memory") is None:

@@ -1,5 +1,5 @@
 """What a user of ``strategy=plan`` sees: a plan of another run shape or network refused
-in one line, a warning for a plan of another device."""
+in one line, a warning for a plan of another device, a readable ``frontier.png``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import read_write
 
-from remat.plan import plan_for_run
+from remat.plan import MARKERS, Point, frontier_figure, plan_for_run
 from remat.planner import PlanMismatch, PlanStrategy, devices
 from remat.train import main as train_main
 from tests.helpers import TINY, compose_train
@@ -81,3 +81,28 @@ def test_the_device_present_is_named_as_the_device_table_does(monkeypatch):
     assert devices.present_device_name("cpu") == "cpu"  # a CPU run on a GPU machine
     monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
     assert devices.present_device_name("auto") == "cpu"
+
+
+def test_frontier_figure_keeps_title_and_legend_inside_and_labels_off_the_points():
+    points = [Point("plan", "plan", 4 * 2**20, 4 * 2**20, 10, 1.3, 1.3),
+              Point("plan", "plan", 5 * 2**20, 5 * 2**20, 0, 1.0, 1.0),
+              Point("fixed", "none", None, 5 * 2**20, 0, 1.0, 1.0)]
+    for stages in ("default stages", "whole network"):  # two by two at the same point
+        points += [Point("fixed", f"{name} ({stages})", None, 4 * 2**20, 10, 1.3, None)
+                   for name in ("full", "sqrtn", "every_k k=2")]
+    title = ("GPT, batch 2, size 32, 32-true, accumulate_grad_batches=4, one of 8 FSDP2 "
+             "ranks, on this CPU (calibrated) (cpu; measured here: 1024x1024 float32 matmul "
+             "and a 64 MiB copy, best of 3)")  # wrapped
+    fig = frontier_figure(points, title)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    width, height = fig.bbox.width, fig.bbox.height
+    for artist in (ax.title, ax.get_legend()):
+        box = artist.get_window_extent()
+        assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height
+    assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
+    assert not ax.texts  # no labels at the points
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "remat plans (budgets)", "none", "full", "sqrtn", "every_k k=2"]
+    markers = {MARKERS[n] for n in ("full", "sqrtn", "every_k k=2")}
+    assert len(markers) == 3  # three strategies at one point: three markers

@@ -23,6 +23,7 @@ import contextlib
 import csv
 import json
 import logging
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,9 @@ from remat.planner.devices import known_devices, present_device_name
 from remat.strategies import build_strategy
 
 log = logging.getLogger(__name__)
+#: The planner's report (the plan, the frontier table, the micro-batch table). Under Hydra,
+#: ``configs/plan.yaml`` sends it to the console as plain lines and into ``plan.log``.
+report_log = logging.getLogger("remat.plan.report")
 
 #: The fixed strategies the frontier compares against: (label, registry name, arguments).
 FIXED = (("none", "none", {}), ("full", "full", {}), ("sqrtn", "sqrtn", {}),
@@ -338,9 +342,63 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str
     return rows
 
 
+#: ``remat.plan`` keys that ``train.yaml`` does not have (left out of the train command).
+PLAN_ONLY_KEYS = ("memory", "device", "margin", "units", "budgets", "fixed", "max_traces",
+                  "calibrate", "objective", "effective_batch_size", "world_size",
+                  "reshard_after_forward", "strategy")
+
+
+def train_overrides(path: Path) -> list[str]:
+    """The overrides that train with the plan at ``path``: this ``remat.plan`` call's own
+    (model, data, sizes, precision; under Hydra) less the planner's keys, and
+    ``strategy=plan strategy.path=<path>``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = list(HydraConfig.get().overrides.task)
+    except ValueError:  # no Hydra app around this call
+        task = []
+    kept = [o for o in task if o.split("=", 1)[0].lstrip("+~").split(".")[0]
+            not in PLAN_ONLY_KEYS and not o.lstrip("+~").startswith("hydra.")]
+    return [*kept, "strategy=plan", f"strategy.path={path}"]
+
+
+def _plan_lines(plan: Plan, seconds: float) -> str:
+    """What is printed for the plan: its budget, predicted peaks, costs and units."""
+    return (f"budget {format_bytes(plan.budget_bytes)} (margin {format_bytes(plan.margin_bytes)}"
+            f"): predicted peak {format_bytes(plan.predicted_allocator_peak_bytes)} with the "
+            f"batch and kernel temporaries, {format_bytes(plan.predicted_peak_bytes)} in "
+            f"tensors (none {format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
+            f"{1 + plan.recompute_flops / max(plan.step_flops, 1):.3f} of none, modelled "
+            f"step time x{plan.predicted_overhead:.3f} (planned in {seconds:.1f} s)\n"
+            + plan.summary())
+
+
+def _micro_batch_table(rows: list[dict[str, Any]], effective: int) -> str:
+    lines = [f"micro-batch search, effective batch {effective}:"]
+    for r in rows:
+        mark = "  <- fastest that fits" if r.get("fastest") else ""
+        head = f"  batch {r['micro_batch']:>4} x accumulate {r['accumulate_grad_batches']:>4}: "
+        if r.get("fits"):
+            lines.append(f"{head}peak {format_bytes(r['peak_bytes']):>10}, time "
+                         f"x{r['overhead']:.3f}, {r['samples_per_s']:.1f} samples/s "
+                         f"(modelled){mark}")
+        else:
+            lines.append(f"{head}does not fit ({r['note']})")
+    return "\n".join(lines)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Plan, print, and write ``plan.json`` (with ``memory``), ``frontier.csv`` and
-    ``frontier.png`` into ``cfg.paths.output_dir``. Returns what was printed, as data."""
+    """Plan, report, and write ``plan.json`` (with ``memory``), ``frontier.csv``,
+    ``frontier.png`` and ``plan_report.json`` into ``cfg.paths.output_dir``.
+
+    The report (the plan and the command that trains with it, the frontier table, the
+    micro-batch table) goes to the ``remat.plan.report`` logger: under Hydra, plain lines on
+    the console and the same in ``plan.log`` (``configs/plan.yaml``, ``hydra.job_logging``).
+
+    Returns:
+        What was reported, as data.
+    """
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     build, batch_size, size, precision, accumulate = run_shape_of(cfg)
@@ -359,49 +417,32 @@ def run(cfg: DictConfig) -> dict[str, Any]:
              + (f", one of {sharding.world_size} FSDP2 ranks" if sharding.world_size > 1
                 else "")
              + f", on {spec.title}")
-    head = f"plan for {shape} ({spec.name}; {spec.source})"
-    print(head)
+    report_log.info(f"plan for {shape} ({spec.name}; {spec.source})")
     result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes,
                               "none_allocator_peak_bytes": planner.none.allocator_peak}
+    path = out / "plan.json"
     if cfg.get("memory") is not None:
         planned = planner.plan(cfg.memory)
-        plan = planned.plan
-        plan.save(out / "plan.json")
-        print(f"budget {format_bytes(plan.budget_bytes)} (margin {format_bytes(plan.margin_bytes)}"
-              f"): predicted peak {format_bytes(plan.predicted_allocator_peak_bytes)} with the "
-              f"batch and kernel temporaries, {format_bytes(plan.predicted_peak_bytes)} in "
-              f"tensors (none {format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
-              f"{1 + plan.recompute_flops / max(plan.step_flops, 1):.3f} of none, modelled "
-              f"step time x{plan.predicted_overhead:.3f} (planned in "
-              f"{planned.seconds + planner.setup_seconds:.1f} s)")
-        print(plan.summary())
-        print(f"plan written to {out / 'plan.json'}; train with strategy=plan "
-              f"strategy.path={out / 'plan.json'}")
-        result["plan"] = plan.to_dict()
+        planned.plan.save(path)
+        result["train_overrides"] = train_overrides(path)
+        report_log.info(_plan_lines(planned.plan, planned.seconds + planner.setup_seconds)
+                        + f"\nplan written to {path}; train with it:\n  python train.py "
+                        + " ".join(shlex.quote(o) for o in result["train_overrides"]))
+        result["plan"] = planned.plan.to_dict()
     points = frontier(planner, int(cfg.budgets)) if int(cfg.budgets) > 0 else []
     default_stages = list(cfg.model.get("stages") or [])
     if cfg.get("fixed", True):
         points += _fixed_points(planner, build, default_stages)
     if points:
-        print("frontier (plans for budgets from the floor to none) and fixed strategies:")
-        print(format_points(points))
+        report_log.info("frontier (plans for budgets from the floor to none) and fixed "
+                        "strategies:\n" + format_points(points))
         write_frontier(points, out, shape)
         result["frontier"] = [vars(p) for p in points]
     if cfg.get("effective_batch_size"):
         if cfg.get("memory") is None:
             raise ValueError("effective_batch_size needs memory=... (the budget to fit)")
         rows = micro_batches(cfg, cfg.memory, int(cfg.effective_batch_size))
-        print(f"micro-batch search, effective batch {cfg.effective_batch_size}:")
-        for r in rows:
-            mark = "  <- fastest that fits" if r.get("fastest") else ""
-            if r.get("fits"):
-                print(f"  batch {r['micro_batch']:>4} x accumulate "
-                      f"{r['accumulate_grad_batches']:>4}: peak "
-                      f"{format_bytes(r['peak_bytes']):>10}, time x{r['overhead']:.3f}, "
-                      f"{r['samples_per_s']:.1f} samples/s (modelled){mark}")
-            else:
-                print(f"  batch {r['micro_batch']:>4} x accumulate "
-                      f"{r['accumulate_grad_batches']:>4}: does not fit ({r['note']})")
+        report_log.info(_micro_batch_table(rows, int(cfg.effective_batch_size)))
         result["micro_batches"] = rows
     (out / "plan_report.json").write_text(json.dumps(
         result | {"config": OmegaConf.to_container(cfg, resolve=False)}, indent=2,
@@ -412,7 +453,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="plan")
 def main(cfg: DictConfig) -> None:
     """Hydra app around :func:`run`; an infeasible budget exits with code 2 and what would
-    fit instead."""
+    fit instead (on stderr)."""
     try:
         run(cfg)
     except InfeasibleBudget as err:

@@ -1,20 +1,24 @@
 """What a user of ``strategy=plan`` sees: a plan of another run shape or network refused
-in one line, a warning for a plan of another device, a readable ``frontier.png``."""
+in one line, a warning for a plan of another device, a readable ``frontier.png``, the report of
+``python -m remat.plan`` in ``plan.log``."""
 
 from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 
 import pytest
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import configure_log
 from hydra.types import RunMode
 from omegaconf import read_write
 
 from remat.plan import MARKERS, Point, frontier_figure, plan_for_run
+from remat.plan import run as plan_run
 from remat.planner import PlanMismatch, PlanStrategy, devices
 from remat.train import main as train_main
-from tests.helpers import TINY, compose_train
+from tests.helpers import TINY, compose_app, compose_train
 
 
 def _plan_file(tmp_path, **fields):
@@ -106,3 +110,43 @@ def test_frontier_figure_keeps_title_and_legend_inside_and_labels_off_the_points
         "remat plans (budgets)", "none", "full", "sqrtn", "every_k k=2"]
     markers = {MARKERS[n] for n in ("full", "sqrtn", "every_k k=2")}
     assert len(markers) == 3  # three strategies at one point: three markers
+
+
+@contextmanager
+def _hydra_job_logging(cfg):
+    """The plan app's job logging as Hydra configures it (console and plan.log), undone
+    after the block."""
+    names = ["", "remat.plan.report"]
+    kept = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level,
+                logging.getLogger(n).propagate) for n in names}
+    configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
+    try:
+        yield
+    finally:
+        for name, (handlers, level, propagate) in kept.items():
+            logger = logging.getLogger(name)
+            for handler in logger.handlers:
+                if handler not in handlers:
+                    handler.close()
+            logger.handlers[:] = handlers
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+
+def test_the_report_reaches_plan_log_and_the_console_once(tmp_path, capsys):
+    cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "+data.block_size=32",
+                                         "data.batch_size=1", "device=h100", "budgets=0",
+                                         "fixed=false", "memory=0.5", "max_traces=1"])
+    with _hydra_job_logging(cfg):
+        result = plan_run(cfg)
+    command = "  python train.py " + " ".join(result["train_overrides"])
+    assert command == (f"  python train.py model=gpt_tiny +data.block_size=32 data.batch_size=1 "
+                       f"strategy=plan strategy.path={tmp_path / 'plan.json'}")
+    console = capsys.readouterr().out.splitlines()
+    head = ("plan for GPT, batch 1, size 32, 32-true, on NVIDIA H100 SXM5 80GB (h100; NVIDIA "
+            "H100 Tensor Core GPU datasheet (SXM5))")
+    for line in (head, "(keep everything)", command):
+        assert console.count(line) == 1, line  # plain, and not again by the root's handler
+    log_lines = (tmp_path / f"{cfg.hydra.job.name}.log").read_text().splitlines()
+    assert log_lines[0].endswith(f"[remat.plan.report][INFO] - {head}")
+    assert "(keep everything)" in log_lines and command in log_lines

@@ -11,7 +11,9 @@ model's default stages and on the whole network). It writes ``plan.json`` (repla
 
 With ``effective_batch_size=E`` it also plans every micro-batch ``d`` dividing ``E``
 (``accumulate_grad_batches = E / d``) and prints the modelled samples/s of each, marking
-the fastest that fits: lower the batch, or recompute more?
+the fastest that fits: lower the batch, or recompute more? ``plan.json`` is then that
+micro-batch's plan, printed with the ``data.batch_size=d accumulate_grad_batches=E/d``
+command that trains with it.
 
 Same config keys as training (``model``, ``data``, ``precision``,
 ``accumulate_grad_batches``) plus ``memory``, ``device``, ``margin``, ``units``.
@@ -300,9 +302,19 @@ def frontier_figure(points: list[Point], title: str) -> Any:
     return fig
 
 
-def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str, Any]]:
+def micro_batches(cfg: DictConfig, memory: Any, effective: int,
+                  planner: Planner | None = None) -> list[dict[str, Any]]:
     """Plan every micro-batch dividing ``effective / world_size`` (the samples one rank
-    sees per optimizer step); modelled samples/s of each.
+    sees per optimizer step); modelled samples/s of each. ``planner``: one already made
+    for this config, used for the micro-batch of its own batch size and accumulation
+    (its profile is not traced again).
+
+    Each row has ``micro_batch``, ``accumulate_grad_batches`` and ``fits``; a row that fits
+    also ``peak_bytes`` (predicted allocator peak), ``overhead`` (modelled step time x
+    none), ``samples_per_s`` (modelled), ``seconds`` (planning time), ``summary`` and
+    ``plan`` (:meth:`Plan.to_dict`, what ``plan.json`` holds); one that does not, ``note``
+    (first line) and ``error`` (the planner's whole message). The fastest row that fits has
+    ``fastest: True``.
 
     Raises:
         ValueError: ``world_size`` does not divide ``effective_batch_size`` (names both).
@@ -320,21 +332,30 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str
         accumulate = per_rank // micro
         row: dict[str, Any] = {"micro_batch": micro, "accumulate_grad_batches": accumulate}
         try:
-            planner = Planner(build, micro, size, precision, accumulate, device=cfg.device,
-                              units=cfg.get("units"), margin=_margin(cfg),
-                              objective=str(cfg.get("objective", "time")),
-                              default_stages=list(cfg.model.get("stages") or []), key="",
-                              world_size=sharding.world_size,
-                              reshard_after_forward=sharding.reshard_after_forward)
-            plan = planner.plan(memory).plan
+            if planner is not None and (planner.batch_size, planner.accumulate) == (
+                    micro, accumulate):
+                micro_planner = planner
+            else:
+                micro_planner = Planner(build, micro, size, precision, accumulate,
+                                        device=cfg.device, units=cfg.get("units"),
+                                        margin=_margin(cfg),
+                                        max_traces=int(cfg.get("max_traces", 6)),
+                                        objective=str(cfg.get("objective", "time")),
+                                        default_stages=list(cfg.model.get("stages") or []),
+                                        calibrate=bool(cfg.get("calibrate", False)), key="",
+                                        world_size=sharding.world_size,
+                                        reshard_after_forward=sharding.reshard_after_forward)
+            planned = micro_planner.plan(memory)
         except InfeasibleBudget as err:
-            row.update(fits=False, note=str(err).splitlines()[0])
+            row.update(fits=False, note=str(err).splitlines()[0], error=str(err))
             rows.append(row)
             continue
-        step_s = planner.profile.step_time * plan.predicted_overhead * accumulate
+        plan = planned.plan
+        step_s = micro_planner.profile.step_time * plan.predicted_overhead * accumulate
         row.update(fits=True, peak_bytes=plan.predicted_allocator_peak_bytes,
                    overhead=plan.predicted_overhead, samples_per_s=effective / step_s,
-                   plan=plan.summary())
+                   seconds=planned.seconds + micro_planner.setup_seconds,
+                   summary=plan.summary(), plan=plan.to_dict())
         rows.append(row)
     fitting = [r for r in rows if r.get("fits")]
     if fitting:
@@ -348,18 +369,29 @@ PLAN_ONLY_KEYS = ("memory", "device", "margin", "units", "budgets", "fixed", "ma
                   "reshard_after_forward", "strategy")
 
 
-def train_overrides(path: Path) -> list[str]:
+def train_overrides(path: Path, micro_batch: int | None = None,
+                    accumulate: int | None = None) -> list[str]:
     """The overrides that train with the plan at ``path``: this ``remat.plan`` call's own
-    (model, data, sizes, precision; under Hydra) less the planner's keys, and
-    ``strategy=plan strategy.path=<path>``."""
+    (model, data, sizes, precision; under Hydra) less the planner's keys, then, for a
+    micro-batch of the search, ``data.batch_size=<micro_batch>
+    accumulate_grad_batches=<accumulate>`` in place of the call's, and ``strategy=plan
+    strategy.path=<path>``."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         task = list(HydraConfig.get().overrides.task)
     except ValueError:  # no Hydra app around this call
         task = []
-    kept = [o for o in task if o.split("=", 1)[0].lstrip("+~").split(".")[0]
-            not in PLAN_ONLY_KEYS and not o.lstrip("+~").startswith("hydra.")]
+    replaced = ("data.batch_size", "accumulate_grad_batches") if micro_batch else ()
+    kept = []
+    for override in task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if (key.split(".")[0] in PLAN_ONLY_KEYS or key.startswith("hydra.")
+                or key in replaced):
+            continue
+        kept.append(override)
+    if micro_batch:
+        kept += [f"data.batch_size={micro_batch}", f"accumulate_grad_batches={accumulate}"]
     return [*kept, "strategy=plan", f"strategy.path={path}"]
 
 
@@ -392,13 +424,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Plan, report, and write ``plan.json`` (with ``memory``), ``frontier.csv``,
     ``frontier.png`` and ``plan_report.json`` into ``cfg.paths.output_dir``.
 
-    The report (the plan and the command that trains with it, the frontier table, the
-    micro-batch table) goes to the ``remat.plan.report`` logger: under Hydra, plain lines on
-    the console and the same in ``plan.log`` (``configs/plan.yaml``, ``hydra.job_logging``).
+    The report (the plan, the frontier table, the micro-batch table) goes to the
+    ``remat.plan.report`` logger: under Hydra, plain lines on the console and the same in
+    ``plan.log`` (``configs/plan.yaml``, ``hydra.job_logging``). With
+    ``effective_batch_size=E`` the plan written and reported is the one of the micro-batch
+    the table marks (the fastest that fits), with the overrides that train with it
+    (``train_overrides`` in the result).
 
     Returns:
         What was reported, as data.
+
+    Raises:
+        ValueError: ``effective_batch_size`` without ``memory``, or not a multiple of
+            ``world_size``.
+        remat.planner.InfeasibleBudget: no plan fits ``memory`` (with
+            ``effective_batch_size``: no micro-batch does; the message is the smallest
+            micro-batch's).
     """
+    effective = int(cfg.get("effective_batch_size") or 0)
+    if effective and cfg.get("memory") is None:
+        raise ValueError("effective_batch_size needs memory=... (the budget to fit)")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     build, batch_size, size, precision, accumulate = run_shape_of(cfg)
@@ -421,7 +466,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes,
                               "none_allocator_peak_bytes": planner.none.allocator_peak}
     path = out / "plan.json"
-    if cfg.get("memory") is not None:
+    if cfg.get("memory") is not None and not effective:
         planned = planner.plan(cfg.memory)
         planned.plan.save(path)
         result["train_overrides"] = train_overrides(path)
@@ -438,12 +483,27 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                         "strategies:\n" + format_points(points))
         write_frontier(points, out, shape)
         result["frontier"] = [vars(p) for p in points]
-    if cfg.get("effective_batch_size"):
-        if cfg.get("memory") is None:
-            raise ValueError("effective_batch_size needs memory=... (the budget to fit)")
-        rows = micro_batches(cfg, cfg.memory, int(cfg.effective_batch_size))
-        report_log.info(_micro_batch_table(rows, int(cfg.effective_batch_size)))
+    if effective:
+        rows = micro_batches(cfg, cfg.memory, effective, planner)
         result["micro_batches"] = rows
+        report_log.info(_micro_batch_table(rows, effective))
+        marked = next((r for r in rows if r.get("fastest")), None)
+        if marked is None:  # as without effective_batch_size: no plan fits, exit code 2
+            raise InfeasibleBudget(f"effective_batch_size={effective}: no micro-batch fits "
+                                   f"memory={cfg.memory}; micro-batch {rows[0]['micro_batch']}: "
+                                   + rows[0]["error"])
+        plan = Plan.from_dict(marked["plan"])
+        plan.save(path)
+        micro, acc = marked["micro_batch"], marked["accumulate_grad_batches"]
+        result["plan"] = marked["plan"]
+        result["train_overrides"] = train_overrides(path, micro, acc)
+        ranks = (f" on each of {sharding.world_size} FSDP2 ranks (trainer=fsdp, "
+                 "trainer.devices x trainer.num_nodes = world_size)"
+                 if sharding.world_size > 1 else "")
+        report_log.info(f"plan for micro-batch {micro} x accumulate_grad_batches {acc} (the "
+                        f"fastest that fits{ranks}):\n" + _plan_lines(plan, marked["seconds"])
+                        + f"\nplan written to {path}; train with it:\n  python train.py "
+                        + " ".join(shlex.quote(o) for o in result["train_overrides"]))
     (out / "plan_report.json").write_text(json.dumps(
         result | {"config": OmegaConf.to_container(cfg, resolve=False)}, indent=2,
         default=str))

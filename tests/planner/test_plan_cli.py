@@ -1,11 +1,13 @@
-"""What a user of ``strategy=plan`` sees: a plan of another run shape or network refused
-in one line, a warning for a plan of another device, a readable ``frontier.png``, the report of
-``python -m remat.plan`` in ``plan.log``."""
+"""What a user of ``python -m remat.plan`` and ``strategy=plan`` sees: a plan of another run
+shape or network refused in one line, a warning for a plan of another device, the report in
+``plan.log``, a readable ``frontier.png``, and with ``effective_batch_size`` the plan and
+train command of the micro-batch the table marks."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shlex
 from contextlib import contextmanager
 
 import pytest
@@ -14,9 +16,9 @@ from hydra.core.utils import configure_log
 from hydra.types import RunMode
 from omegaconf import read_write
 
-from remat.plan import MARKERS, Point, frontier_figure, plan_for_run
+from remat.plan import MARKERS, Point, check_plan_fits, frontier_figure, plan_for_run
 from remat.plan import run as plan_run
-from remat.planner import PlanMismatch, PlanStrategy, devices
+from remat.planner import InfeasibleBudget, Plan, PlanMismatch, PlanStrategy, devices
 from remat.train import main as train_main
 from tests.helpers import TINY, compose_app, compose_train
 
@@ -150,3 +152,48 @@ def test_the_report_reaches_plan_log_and_the_console_once(tmp_path, capsys):
     log_lines = (tmp_path / f"{cfg.hydra.job.name}.log").read_text().splitlines()
     assert log_lines[0].endswith(f"[remat.plan.report][INFO] - {head}")
     assert "(keep everything)" in log_lines and command in log_lines
+
+
+def test_effective_batch_writes_the_marked_micro_batch_plan_and_its_command(tmp_path, caplog):
+    # data.batch_size x accumulate_grad_batches is one row of the search (its planner is
+    # reused): the table marks the other one
+    plan_args = ["model=gpt_tiny", "+data.block_size=32", "data.batch_size=1",
+                 "accumulate_grad_batches=2", "device=h100", "budgets=0", "fixed=false",
+                 "memory=0.5", "max_traces=1", "effective_batch_size=2"]
+    with caplog.at_level(logging.INFO, logger="remat.plan.report"):
+        result = plan_run(compose_app("plan", tmp_path, plan_args))
+    marked = [r for r in result["micro_batches"] if r.get("fastest")]
+    assert [(r["micro_batch"], r["accumulate_grad_batches"]) for r in marked] == [(2, 1)]
+    path = tmp_path / "plan.json"
+    saved = json.loads(path.read_text())
+    # the marked row's plan, not the one of data.batch_size=1 x accumulate_grad_batches=2
+    assert saved["batch_size"] == 2 and saved["accumulate_grad_batches"] == 1
+    assert saved == result["plan"] == marked[0]["plan"]
+    assert result["train_overrides"] == [
+        "model=gpt_tiny", "+data.block_size=32", "data.batch_size=2",
+        "accumulate_grad_batches=1", "strategy=plan", f"strategy.path={path}"]
+    printed = "\n".join(r.getMessage() for r in caplog.records).splitlines()
+    assert ("plan for micro-batch 2 x accumulate_grad_batches 1 (the fastest that fits):"
+            in printed)
+    command = next(line for line in printed if line.startswith("  python train.py "))
+
+    # the printed command's overrides are accepted by the replay check; batch 1 is not
+    train_cfg = compose_train(tmp_path / "train", shlex.split(command)[2:])
+    check_plan_fits(Plan.load(path), train_cfg, str(path))
+    with pytest.raises(PlanMismatch, match="made for data.batch_size=2, this run has "
+                                           "data.batch_size=1"):
+        check_plan_fits(Plan.load(path), compose_train(tmp_path / "b1", plan_args[:4]),
+                        str(path))
+
+
+@pytest.mark.slow  # about 20 s: each infeasible row works out what would fit instead
+def test_effective_batch_with_no_micro_batch_that_fits_is_an_infeasible_budget(tmp_path):
+    cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "+data.block_size=32",
+                                         "data.batch_size=1", "device=h100", "budgets=0",
+                                         "fixed=false", "memory=1MiB", "max_traces=1",
+                                         "effective_batch_size=2"])
+    with pytest.raises(InfeasibleBudget, match=r"^effective_batch_size=2: no micro-batch fits "
+                                               r"memory=1MiB; micro-batch 1: memory=1.0 MiB: "
+                                               r"no plan fits\. The smallest peak"):
+        plan_run(cfg)  # remat.plan's main: the message on stderr, exit code 2
+    assert not (tmp_path / "plan.json").exists()

@@ -11,7 +11,9 @@ model's default stages and on the whole network). It writes ``plan.json`` (repla
 
 With ``effective_batch_size=E`` it also plans every micro-batch ``d`` dividing ``E``
 (``accumulate_grad_batches = E / d``) and prints the modelled samples/s of each, marking
-the fastest that fits: lower the batch, or recompute more?
+the fastest that fits: lower the batch, or recompute more? ``plan.json`` is then that
+micro-batch's plan, printed with the ``data.batch_size=d accumulate_grad_batches=E/d``
+command that trains with it.
 
 Same config keys as training (``model``, ``data``, ``precision``,
 ``accumulate_grad_batches``) plus ``memory``, ``device``, ``margin``, ``units``.
@@ -23,6 +25,7 @@ import contextlib
 import csv
 import json
 import logging
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +38,16 @@ from remat import run_shape
 from remat.config import config_dir
 from remat.estimate import build_from_config
 from remat.measure import format_bytes
-from remat.planner import InfeasibleBudget, Plan, Planner, PlanStrategy
+from remat.planner import InfeasibleBudget, Plan, PlanMismatch, Planner, PlanStrategy
 from remat.planner.budget import BudgetStrategy
+from remat.planner.devices import known_devices, present_device_name
 from remat.planner.plan import SAVED_STATE_VERSION
 from remat.strategies import build_strategy
 
 log = logging.getLogger(__name__)
+#: The planner's report (the plan, the frontier table, the micro-batch table). Under Hydra,
+#: ``configs/plan.yaml`` sends it to the console as plain lines and into ``plan.log``.
+report_log = logging.getLogger("remat.plan.report")
 
 #: The fixed strategies the frontier compares against: (label, registry name, arguments).
 FIXED = (("none", "none", {}), ("full", "full", {}), ("sqrtn", "sqrtn", {}),
@@ -106,8 +113,8 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
     it can; ``ckpt=None`` plans as without a checkpoint.
 
     Raises:
-        ValueError: a replayed plan made for another batch size, input size or precision
-            (naming ``strategy.path`` and the key).
+        remat.planner.PlanMismatch: a replayed plan made for another batch size, input size
+            or precision (naming ``strategy.path`` and the key).
         remat.planner.InfeasibleBudget: the budget cannot be met.
     """
     if isinstance(strategy, BudgetStrategy):
@@ -126,7 +133,32 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
                                     reshard_after_forward=sharding.reshard_after_forward)
     if isinstance(strategy, PlanStrategy):
         check_plan_fits(strategy.plan, cfg, strategy.path)
+        warn_if_other_device(strategy.plan, cfg, strategy.path)
     return strategy
+
+
+def warn_if_other_device(plan: Plan, cfg: DictConfig, path: str | None) -> str | None:
+    """Log a warning when ``plan`` was made for another device kind than the one this run
+    trains on (``trainer.accelerator``, :func:`remat.planner.devices.present_device_name`):
+    its predicted peak and step time hold on the planned device only. A plan without a
+    device, or made for this one, is silent. Returns the warning (None if none)."""
+    planned = str(plan.device or "").strip().lower().replace("-", "_")
+    if not planned:
+        return None
+    present = present_device_name(OmegaConf.select(cfg, "trainer.accelerator",
+                                                   default="auto"))
+    if planned == present:
+        return None
+    again = (f"strategy=budget strategy.device={present} (or python -m remat.plan ... "
+             f"device={present})" if present in known_devices() else
+             "strategy=budget strategy.device={name: ..., memory_bytes: ..., fp32_flops: ..., "
+             "bf16_flops: ..., bandwidth: ...} (this device is not in the device table)")
+    message = (f"strategy.path={path!r}: the plan was made for device {plan.device}, this run "
+               f"trains on {present}; its predicted peak "
+               f"({format_bytes(plan.predicted_allocator_peak_bytes)}) holds on "
+               f"{plan.device} only. Plan again for this device: {again}")
+    log.warning(message)
+    return message
 
 
 def _saved_plan(cfg: DictConfig, strategy: BudgetStrategy, ckpt: dict[str, Any],
@@ -190,14 +222,15 @@ def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
     (:func:`plan_mismatches`).
 
     Raises:
-        ValueError: names ``strategy.path``, the key, the plan's and the run's values.
+        remat.planner.PlanMismatch: (a ``ValueError``) names ``strategy.path``, the key, the
+            plan's and the run's values.
     """
     mismatches = plan_mismatches(plan, cfg)
     if mismatches:
         key, planned, running = mismatches[0]
-        raise ValueError(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
-                         f"this run has {key}={running}; plan again for this run "
-                         f"(python -m remat.plan ... {key}={running}) or set {key} back")
+        raise PlanMismatch(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
+                           f"this run has {key}={running}; plan again for this run "
+                           f"(python -m remat.plan ... {key}={running}) or set {key} back")
 
 
 def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:
@@ -237,6 +270,22 @@ def _temporaries(cfg: DictConfig) -> bool | None:
     """``temporaries`` of the config (null: measured only when planning for this CPU)."""
     value = cfg.get("temporaries")
     return None if value is None else bool(value)
+
+
+def planner_for(cfg: DictConfig, build: Any, batch_size: int, size: Any, precision: str,
+                accumulate: int) -> Planner:
+    """The :class:`~remat.planner.Planner` of this config's planner keys (``device``,
+    ``units``, ``margin``, ``temporaries``, ``max_traces``, ``objective``, ``calibrate``,
+    ``model.stages``, FSDP2 ``world_size``) for one micro-batch and accumulation."""
+    sharding = run_shape.sharding_of(cfg)
+    return Planner(build, batch_size, size, precision, accumulate, device=cfg.device,
+                   units=cfg.get("units"), margin=_margin(cfg), temporaries=_temporaries(cfg),
+                   max_traces=int(cfg.get("max_traces", 6)),
+                   objective=str(cfg.get("objective", "time")),
+                   default_stages=list(cfg.model.get("stages") or []),
+                   calibrate=bool(cfg.get("calibrate", False)), key="",
+                   world_size=sharding.world_size,
+                   reshard_after_forward=sharding.reshard_after_forward)
 
 
 def frontier(planner: Planner, count: int) -> list[Point]:
@@ -283,8 +332,13 @@ def format_points(points: list[Point]) -> str:
     return "\n".join(lines)
 
 
+#: Marker of each fixed strategy in ``frontier.png`` (by its label without the stages).
+MARKERS = {"none": "s", "full": "v", "sqrtn": "^", "every_k k=2": "<", "every_k k=4": ">",
+           "selective matmul": "D"}
+
+
 def write_frontier(points: list[Point], out: Path, title: str) -> None:
-    """``frontier.csv`` and ``frontier.png`` (peak MiB vs recompute FLOPs x none)."""
+    """``frontier.csv`` and ``frontier.png`` (:func:`frontier_figure`)."""
     with (out / "frontier.csv").open("w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["kind", "label", "budget_bytes", "peak_bytes", "recompute_flops",
@@ -292,31 +346,65 @@ def write_frontier(points: list[Point], out: Path, title: str) -> None:
         for p in points:
             writer.writerow([p.kind, p.label, p.budget_bytes, p.peak_bytes, p.recompute_flops,
                              p.flops_ratio, p.overhead, p.note])
+    import matplotlib.pyplot as plt
+
+    fig = frontier_figure(points, title)
+    fig.savefig(out / "frontier.png", dpi=120)
+    plt.close(fig)
+
+
+def frontier_figure(points: list[Point], title: str) -> Any:
+    """The frontier as a matplotlib ``Figure`` (Agg): traced peak (MiB) against step FLOPs
+    x none, the plans as a line, each fixed strategy with its own marker and colour, filled
+    on the model's default stages and hollow (larger) on the whole network, so points that
+    coincide still show. A legend beside the axes names them (no text at the points, which
+    overlapped) and ``title`` is wrapped to the figure's width (constrained layout)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     plans = [p for p in points if p.kind == "plan" and p.peak_bytes is not None]
     ax.plot([p.peak_bytes / 2**20 for p in plans], [p.flops_ratio for p in plans], "o-",
-            label="remat plan (budget)")
+            color="C0", label="remat plans (budgets)", zorder=3)
+    colors: dict[str, str] = {}
     for p in points:
-        if p.kind == "fixed" and p.peak_bytes is not None:
-            ax.scatter(p.peak_bytes / 2**20, p.flops_ratio, marker="x")
-            ax.annotate(p.label, (p.peak_bytes / 2**20, p.flops_ratio), fontsize=7)
+        if p.kind != "fixed" or p.peak_bytes is None:
+            continue
+        name, _, stages = p.label.partition(" (")
+        first = name not in colors
+        color = colors.setdefault(name, f"C{len(colors) + 1}")
+        whole = stages.startswith("whole")
+        ax.scatter(p.peak_bytes / 2**20, p.flops_ratio, marker=MARKERS.get(name, "o"),
+                   s=80 if whole else 30, facecolors="none" if whole else color,
+                   edgecolors=color, linewidths=1.2, label=name if first else None,
+                   zorder=4 if whole else 5)
     ax.set_xlabel("traced peak of a training step (MiB)")
     ax.set_ylabel("step FLOPs x none (recompute cost)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "frontier.png", dpi=120)
-    plt.close(fig)
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+              title="fixed strategies:\nfilled: model.stages\nhollow: whole network",
+              title_fontsize=7, alignment="left")
+    return fig
 
 
-def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str, Any]]:
+def micro_batches(cfg: DictConfig, memory: Any, effective: int,
+                  planner: Planner | None = None) -> list[dict[str, Any]]:
     """Plan every micro-batch dividing ``effective / world_size`` (the samples one rank
-    sees per optimizer step); modelled samples/s of each.
+    sees per optimizer step); modelled samples/s of each. ``planner``: one already made
+    for this config, used for the micro-batch of its own batch size and accumulation
+    (its profile is not traced again).
+
+    Each row has ``micro_batch``, ``accumulate_grad_batches`` and ``fits``; a row that fits
+    also ``peak_bytes`` (predicted allocator peak), ``overhead`` (modelled step time x
+    none), ``samples_per_s`` (modelled), ``seconds`` (planning time), ``summary`` and
+    ``plan`` (:meth:`Plan.to_dict`, what ``plan.json`` holds); one that does not, ``note``
+    (first line) and ``error`` (the planner's whole message). The fastest row that fits has
+    ``fastest: True``.
 
     Raises:
         ValueError: ``world_size`` does not divide ``effective_batch_size`` (names both).
@@ -334,22 +422,22 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str
         accumulate = per_rank // micro
         row: dict[str, Any] = {"micro_batch": micro, "accumulate_grad_batches": accumulate}
         try:
-            planner = Planner(build, micro, size, precision, accumulate, device=cfg.device,
-                              units=cfg.get("units"), margin=_margin(cfg),
-                              temporaries=_temporaries(cfg),
-                              objective=str(cfg.get("objective", "time")),
-                              default_stages=list(cfg.model.get("stages") or []), key="",
-                              world_size=sharding.world_size,
-                              reshard_after_forward=sharding.reshard_after_forward)
-            plan = planner.plan(memory).plan
+            if planner is not None and (planner.batch_size, planner.accumulate) == (
+                    micro, accumulate):
+                micro_planner = planner
+            else:
+                micro_planner = planner_for(cfg, build, micro, size, precision, accumulate)
+            planned = micro_planner.plan(memory)
         except InfeasibleBudget as err:
-            row.update(fits=False, note=str(err).splitlines()[0])
+            row.update(fits=False, note=str(err).splitlines()[0], error=str(err))
             rows.append(row)
             continue
-        step_s = planner.profile.step_time * plan.predicted_overhead * accumulate
+        plan = planned.plan
+        step_s = micro_planner.profile.step_time * plan.predicted_overhead * accumulate
         row.update(fits=True, peak_bytes=plan.predicted_allocator_peak_bytes,
                    overhead=plan.predicted_overhead, samples_per_s=effective / step_s,
-                   plan=plan.summary())
+                   seconds=planned.seconds + micro_planner.setup_seconds,
+                   summary=plan.summary(), plan=plan.to_dict())
         rows.append(row)
     fitting = [r for r in rows if r.get("fits")]
     if fitting:
@@ -357,70 +445,140 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int) -> list[dict[str
     return rows
 
 
+#: ``remat.plan`` keys that ``train.yaml`` does not have (left out of the train command).
+PLAN_ONLY_KEYS = ("memory", "device", "margin", "units", "budgets", "fixed", "max_traces",
+                  "calibrate", "objective", "effective_batch_size", "world_size",
+                  "reshard_after_forward", "strategy")
+
+
+def train_overrides(path: Path, micro_batch: int | None = None,
+                    accumulate: int | None = None) -> list[str]:
+    """The overrides that train with the plan at ``path``: this ``remat.plan`` call's own
+    (model, data, sizes, precision; under Hydra) less the planner's keys, then, for a
+    micro-batch of the search, ``data.batch_size=<micro_batch>
+    accumulate_grad_batches=<accumulate>`` in place of the call's, and ``strategy=plan
+    strategy.path=<path>``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = list(HydraConfig.get().overrides.task)
+    except ValueError:  # no Hydra app around this call
+        task = []
+    replaced = ("data.batch_size", "accumulate_grad_batches") if micro_batch else ()
+    kept = []
+    for override in task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if (key.split(".")[0] in PLAN_ONLY_KEYS or key.startswith("hydra.")
+                or key in replaced):
+            continue
+        kept.append(override)
+    if micro_batch:
+        kept += [f"data.batch_size={micro_batch}", f"accumulate_grad_batches={accumulate}"]
+    return [*kept, "strategy=plan", f"strategy.path={path}"]
+
+
+def _plan_lines(plan: Plan, seconds: float) -> str:
+    """What is printed for the plan: its budget, predicted peaks, costs and units."""
+    return (f"budget {format_bytes(plan.budget_bytes)} (margin {format_bytes(plan.margin_bytes)}"
+            f"): predicted peak {format_bytes(plan.predicted_allocator_peak_bytes)} with the "
+            f"batch and kernel temporaries, {format_bytes(plan.predicted_peak_bytes)} in "
+            f"tensors (none {format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
+            f"{1 + plan.recompute_flops / max(plan.step_flops, 1):.3f} of none, modelled "
+            f"step time x{plan.predicted_overhead:.3f} (planned in {seconds:.1f} s)\n"
+            + plan.summary())
+
+
+def _micro_batch_table(rows: list[dict[str, Any]], effective: int) -> str:
+    lines = [f"micro-batch search, effective batch {effective}:"]
+    for r in rows:
+        mark = "  <- fastest that fits" if r.get("fastest") else ""
+        head = f"  batch {r['micro_batch']:>4} x accumulate {r['accumulate_grad_batches']:>4}: "
+        if r.get("fits"):
+            lines.append(f"{head}peak {format_bytes(r['peak_bytes']):>10}, time "
+                         f"x{r['overhead']:.3f}, {r['samples_per_s']:.1f} samples/s "
+                         f"(modelled){mark}")
+        else:
+            lines.append(f"{head}does not fit ({r['note']})")
+    return "\n".join(lines)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Plan, print, and write ``plan.json`` (with ``memory``), ``frontier.csv`` and
-    ``frontier.png`` into ``cfg.paths.output_dir``. Returns what was printed, as data."""
+    """Plan, report, and write ``plan.json`` (with ``memory``), ``frontier.csv``,
+    ``frontier.png`` and ``plan_report.json`` into ``cfg.paths.output_dir``.
+
+    The report (the plan, the frontier table, the micro-batch table) goes to the
+    ``remat.plan.report`` logger: under Hydra, plain lines on the console and the same in
+    ``plan.log`` (``configs/plan.yaml``, ``hydra.job_logging``). With
+    ``effective_batch_size=E`` the plan written and reported is the one of the micro-batch
+    the table marks (the fastest that fits), with the overrides that train with it
+    (``train_overrides`` in the result).
+
+    Returns:
+        What was reported, as data.
+
+    Raises:
+        ValueError: ``effective_batch_size`` without ``memory``, or not a multiple of
+            ``world_size``.
+        remat.planner.InfeasibleBudget: no plan fits ``memory`` (with
+            ``effective_batch_size``: no micro-batch does; the message is the smallest
+            micro-batch's).
+    """
+    effective = int(cfg.get("effective_batch_size") or 0)
+    if effective and cfg.get("memory") is None:
+        raise ValueError("effective_batch_size needs memory=... (the budget to fit)")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     build, batch_size, size, precision, accumulate = run_shape_of(cfg)
     sharding = run_shape.sharding_of(cfg)
-    planner = Planner(build, batch_size, size, precision, accumulate, device=cfg.device,
-                      units=cfg.get("units"), margin=_margin(cfg),
-                      temporaries=_temporaries(cfg),
-                      max_traces=int(cfg.get("max_traces", 6)),
-                      objective=str(cfg.get("objective", "time")),
-                      default_stages=list(cfg.model.get("stages") or []),
-                      calibrate=bool(cfg.get("calibrate", False)), key="",
-                      world_size=sharding.world_size,
-                      reshard_after_forward=sharding.reshard_after_forward)
+    planner = planner_for(cfg, build, batch_size, size, precision, accumulate)
     spec = planner.spec
-    head = (f"plan for {planner.profile.model}, batch {batch_size}, size {size}, {precision}"
-            + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
-            + (f", one of {sharding.world_size} FSDP2 ranks" if sharding.world_size > 1 else "")
-            + f", on {spec.title} ({spec.name}; {spec.source})")
-    print(head)
+    shape = (f"{planner.profile.model}, batch {batch_size}, size {size}, {precision}"
+             + (f", accumulate_grad_batches={accumulate}" if accumulate > 1 else "")
+             + (f", one of {sharding.world_size} FSDP2 ranks" if sharding.world_size > 1
+                else "")
+             + f", on {spec.title}")
+    report_log.info(f"plan for {shape} ({spec.name}; {spec.source})")
     result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes,
                               "none_allocator_peak_bytes": planner.none.allocator_peak}
-    if cfg.get("memory") is not None:
+    path = out / "plan.json"
+    if cfg.get("memory") is not None and not effective:
         planned = planner.plan(cfg.memory)
-        plan = planned.plan
-        plan.save(out / "plan.json")
-        print(f"budget {format_bytes(plan.budget_bytes)} (margin {format_bytes(plan.margin_bytes)}"
-              f"): predicted peak {format_bytes(plan.predicted_allocator_peak_bytes)} with the "
-              f"batch and kernel temporaries, {format_bytes(plan.predicted_peak_bytes)} in "
-              f"tensors (none {format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
-              f"{1 + plan.recompute_flops / max(plan.step_flops, 1):.3f} of none, modelled "
-              f"step time x{plan.predicted_overhead:.3f} (planned in "
-              f"{planned.seconds + planner.setup_seconds:.1f} s)")
-        print(plan.summary())
-        print(f"plan written to {out / 'plan.json'}; train with strategy=plan "
-              f"strategy.path={out / 'plan.json'}")
-        result["plan"] = plan.to_dict()
+        planned.plan.save(path)
+        result["train_overrides"] = train_overrides(path)
+        report_log.info(_plan_lines(planned.plan, planned.seconds + planner.setup_seconds)
+                        + f"\nplan written to {path}; train with it:\n  python train.py "
+                        + " ".join(shlex.quote(o) for o in result["train_overrides"]))
+        result["plan"] = planned.plan.to_dict()
     points = frontier(planner, int(cfg.budgets)) if int(cfg.budgets) > 0 else []
     default_stages = list(cfg.model.get("stages") or [])
     if cfg.get("fixed", True):
         points += _fixed_points(planner, build, default_stages)
     if points:
-        print("frontier (plans for budgets from the floor to none) and fixed strategies:")
-        print(format_points(points))
-        write_frontier(points, out, head)
+        report_log.info("frontier (plans for budgets from the floor to none) and fixed "
+                        "strategies:\n" + format_points(points))
+        write_frontier(points, out, shape)
         result["frontier"] = [vars(p) for p in points]
-    if cfg.get("effective_batch_size"):
-        if cfg.get("memory") is None:
-            raise ValueError("effective_batch_size needs memory=... (the budget to fit)")
-        rows = micro_batches(cfg, cfg.memory, int(cfg.effective_batch_size))
-        print(f"micro-batch search, effective batch {cfg.effective_batch_size}:")
-        for r in rows:
-            mark = "  <- fastest that fits" if r.get("fastest") else ""
-            if r.get("fits"):
-                print(f"  batch {r['micro_batch']:>4} x accumulate "
-                      f"{r['accumulate_grad_batches']:>4}: peak "
-                      f"{format_bytes(r['peak_bytes']):>10}, time x{r['overhead']:.3f}, "
-                      f"{r['samples_per_s']:.1f} samples/s (modelled){mark}")
-            else:
-                print(f"  batch {r['micro_batch']:>4} x accumulate "
-                      f"{r['accumulate_grad_batches']:>4}: does not fit ({r['note']})")
+    if effective:
+        rows = micro_batches(cfg, cfg.memory, effective, planner)
         result["micro_batches"] = rows
+        report_log.info(_micro_batch_table(rows, effective))
+        marked = next((r for r in rows if r.get("fastest")), None)
+        if marked is None:  # as without effective_batch_size: no plan fits, exit code 2
+            raise InfeasibleBudget(f"effective_batch_size={effective}: no micro-batch fits "
+                                   f"memory={cfg.memory}; micro-batch {rows[0]['micro_batch']}: "
+                                   + rows[0]["error"])
+        plan = Plan.from_dict(marked["plan"])
+        plan.save(path)
+        micro, acc = marked["micro_batch"], marked["accumulate_grad_batches"]
+        result["plan"] = marked["plan"]
+        result["train_overrides"] = train_overrides(path, micro, acc)
+        ranks = (f" on each of {sharding.world_size} FSDP2 ranks (trainer=fsdp, "
+                 "trainer.devices x trainer.num_nodes = world_size)"
+                 if sharding.world_size > 1 else "")
+        report_log.info(f"plan for micro-batch {micro} x accumulate_grad_batches {acc} (the "
+                        f"fastest that fits{ranks}):\n" + _plan_lines(plan, marked["seconds"])
+                        + f"\nplan written to {path}; train with it:\n  python train.py "
+                        + " ".join(shlex.quote(o) for o in result["train_overrides"]))
     (out / "plan_report.json").write_text(json.dumps(
         result | {"config": OmegaConf.to_container(cfg, resolve=False)}, indent=2,
         default=str))
@@ -430,7 +588,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="plan")
 def main(cfg: DictConfig) -> None:
     """Hydra app around :func:`run`; an infeasible budget exits with code 2 and what would
-    fit instead."""
+    fit instead (on stderr)."""
     try:
         run(cfg)
     except InfeasibleBudget as err:

@@ -19,6 +19,7 @@ from typing import Any
 
 import hydra
 import lightning as L
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
@@ -33,6 +34,7 @@ from remat.models.checks import (
     check_sharded_resume,
     read_checkpoint,
 )
+from remat.planner import PlanMismatch
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +190,42 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         return summary_cb.summary
 
 
+def _single_run() -> bool:
+    """True under a Hydra run (not ``-m``); False in a multirun or without Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().mode is RunMode.RUN
+    except ValueError:  # no Hydra app around this call
+        return False
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra app; returns the monitored metric's best value (for sweepers)."""
-    summary = train(cfg)
+    """Hydra app; returns the monitored metric's best value (for sweepers).
+
+    A replayed plan made for another run shape (:class:`~remat.planner.PlanMismatch`) ends
+    a single run with its message on one line (``error: ...``, exit code 1), as a run
+    folder in use does; in a multirun it fails that job only, so the other jobs still run.
+    """
+    try:
+        summary = train(cfg)
+    except Exception as err:
+        mismatch = _plan_mismatch(err)
+        if mismatch is not None and _single_run():
+            raise SystemExit(f"error: {mismatch}") from None
+        raise
     return summary.get("best_model_score")
+
+
+def _plan_mismatch(err: BaseException | None) -> PlanMismatch | None:
+    """``err`` or the error it was raised from (Hydra's ``instantiate`` wraps what a model
+    constructor raises), if it is a :class:`~remat.planner.PlanMismatch`."""
+    while err is not None:
+        if isinstance(err, PlanMismatch):
+            return err
+        err = err.__cause__
+    return None
 
 
 if __name__ == "__main__":

@@ -146,6 +146,20 @@ def _present_cuda() -> DeviceSpec | None:
     return None
 
 
+def present_device_name(accelerator: str = "auto") -> str:
+    """The device-table name of what a run with ``trainer.accelerator=accelerator`` trains
+    on: ``cpu`` for ``cpu`` (or ``auto``/``gpu``/``cuda`` without CUDA), the present GPU's
+    name in :data:`DEVICES` (``h100``, ``l4``, ...) else, or, for a GPU not in the table, its
+    ``torch.cuda.get_device_name`` in lower case; another accelerator (``mps``) as given."""
+    kind = str(accelerator).strip().lower()
+    if kind == "cpu" or (kind in ("auto", "gpu", "cuda") and not torch.cuda.is_available()):
+        return "cpu"
+    if kind not in ("auto", "gpu", "cuda"):
+        return kind
+    present = _present_cuda()
+    return present.name if present is not None else torch.cuda.get_device_name().lower()
+
+
 def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") -> DeviceSpec:
     """The :class:`DeviceSpec` for a name, a mapping of figures, or ``auto``.
 

@@ -31,6 +31,13 @@ PLAN_VERSION = 1
 SAVED_STATE_VERSION = 1
 
 
+class PlanMismatch(ValueError):
+    """A replayed plan was made for another network (its parameters differ) or run shape
+    (batch size, input size, precision, accumulation, world size) than the run's; the
+    message names ``strategy.path`` and, for a run shape, the key and both values.
+    ``python train.py`` reports it in one line (exit code 1)."""
+
+
 @dataclass
 class UnitPlan:
     """One unit of a plan: ``path``, ``kind`` (``chain`` | ``module``) and its segments
@@ -218,7 +225,7 @@ class PlanStrategy(RecomputeStrategy):
         """Wrap ``model`` (the network) as the plan says; ``stages`` is ignored.
 
         Raises:
-            ValueError: the plan was made for another network (fingerprint differs).
+            PlanMismatch: the plan was made for another network (fingerprint differs).
             StageError: a unit path matches nothing, or its segments do not fit it.
         """
         from remat.planner.profile import fingerprint
@@ -228,8 +235,8 @@ class PlanStrategy(RecomputeStrategy):
             todo = ("the checkpoint was trained with that network: resume it with the model "
                     "config it was trained with" if self.resumed
                     else "plan again for this model with python -m remat.plan")
-            raise ValueError(f"{where}: this plan was made for another network ("
-                             f"{self.plan.model or 'unknown'}, parameters differ); {todo}")
+            raise PlanMismatch(f"{where}: this plan was made for another network ("
+                               f"{self.plan.model or 'unknown'}, parameters differ); {todo}")
         units = [u for u in self.plan.units if u.changed]
         try:
             resolved = dict(resolve_stages(model, [u.path for u in units])) if units else {}

@@ -1,0 +1,199 @@
+"""What a user of ``python -m remat.plan`` and ``strategy=plan`` sees: a plan of another run
+shape or network refused in one line, a warning for a plan of another device, the report in
+``plan.log``, a readable ``frontier.png``, and with ``effective_batch_size`` the plan and
+train command of the micro-batch the table marks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+from contextlib import contextmanager
+
+import pytest
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import configure_log
+from hydra.types import RunMode
+from omegaconf import read_write
+
+from remat.plan import MARKERS, Point, check_plan_fits, frontier_figure, plan_for_run
+from remat.plan import run as plan_run
+from remat.planner import InfeasibleBudget, Plan, PlanMismatch, PlanStrategy, devices
+from remat.train import main as train_main
+from tests.helpers import TINY, compose_app, compose_train
+
+
+def _plan_file(tmp_path, **fields):
+    """A plan.json written by hand: no units changed, made for ``fields``."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"units": [], "version": 1, "batch_size": 4, "size": 64,
+                                "precision": "32-true", "device": "cpu",
+                                "predicted_allocator_peak_bytes": 3 * 2**20} | fields))
+    return path
+
+
+@pytest.mark.parametrize(("fields", "mode"), [
+    ({"batch_size": 2}, RunMode.RUN), ({"batch_size": 2}, RunMode.MULTIRUN),
+    ({"fingerprint": "0123abcd", "model": "Unet"}, RunMode.RUN)])
+def test_a_plan_of_another_run_shape_or_network_fails_in_one_line(tmp_path, fields, mode):
+    """``python train.py`` (the Hydra app's function, as Hydra calls it): a single run ends
+    with the message as ``SystemExit`` (Python prints it alone on stderr, exit code 1, no
+    traceback), also where ``instantiate`` wraps it (the network check runs in the model's
+    constructor); a multirun job raises, so Hydra runs the sweep's other jobs."""
+    path = _plan_file(tmp_path, **fields)
+    cfg = compose_train(tmp_path / "run", [*TINY, "strategy=plan", f"strategy.path={path}"])
+    with read_write(cfg.hydra):
+        cfg.hydra.mode = mode
+    HydraConfig().set_config(cfg)
+    message = (f"strategy.path='{path}': the plan was made for data.batch_size=2, this run "
+               "has data.batch_size=4; plan again for this run (python -m remat.plan ... "
+               "data.batch_size=4) or set data.batch_size back" if "batch_size" in fields else
+               f"strategy.path='{path}': this plan was made for another network (Unet, "
+               "parameters differ); plan again for this model with python -m remat.plan")
+    if mode is RunMode.RUN:
+        with pytest.raises(SystemExit) as stop:
+            train_main.__wrapped__(cfg)
+        assert stop.value.code == f"error: {message}" and stop.value.__cause__ is None
+    else:
+        with pytest.raises(PlanMismatch) as raised:
+            train_main.__wrapped__(cfg)
+        assert str(raised.value) == message
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "strategy.path=" in summary["error"]
+
+
+def test_a_plan_for_another_device_warns_and_trains(tmp_path, caplog):
+    cfg = compose_train(tmp_path, TINY)  # trainer.accelerator=cpu
+    path = _plan_file(tmp_path, device="h100")
+    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+        strategy = plan_for_run(cfg, PlanStrategy(path=str(path)))
+    assert isinstance(strategy, PlanStrategy)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"strategy.path='{path}': the plan was made for device h100, this run "
+                        "trains on cpu; its predicted peak (3.0 MiB) holds on h100 only. "
+                        "Plan again for this device: strategy=budget strategy.device=cpu (or "
+                        "python -m remat.plan ... device=cpu)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+        plan_for_run(cfg, PlanStrategy(path=str(_plan_file(tmp_path, device="cpu"))))
+    assert not caplog.records  # a cpu plan on this CPU
+
+
+def test_the_device_present_is_named_as_the_device_table_does(monkeypatch):
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices, "_present_cuda", lambda: devices.DEVICES["h100"])
+    assert devices.present_device_name("auto") == "h100"
+    assert devices.present_device_name("gpu") == "h100"
+    assert devices.present_device_name("cpu") == "cpu"  # a CPU run on a GPU machine
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
+    assert devices.present_device_name("auto") == "cpu"
+
+
+def test_frontier_figure_keeps_title_and_legend_inside_and_labels_off_the_points():
+    points = [Point("plan", "plan", 4 * 2**20, 4 * 2**20, 10, 1.3, 1.3),
+              Point("plan", "plan", 5 * 2**20, 5 * 2**20, 0, 1.0, 1.0),
+              Point("fixed", "none", None, 5 * 2**20, 0, 1.0, 1.0)]
+    for stages in ("default stages", "whole network"):  # two by two at the same point
+        points += [Point("fixed", f"{name} ({stages})", None, 4 * 2**20, 10, 1.3, None)
+                   for name in ("full", "sqrtn", "every_k k=2")]
+    title = ("GPT, batch 2, size 32, 32-true, accumulate_grad_batches=4, one of 8 FSDP2 "
+             "ranks, on this CPU (calibrated) (cpu; measured here: 1024x1024 float32 matmul "
+             "and a 64 MiB copy, best of 3)")  # wrapped
+    fig = frontier_figure(points, title)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    width, height = fig.bbox.width, fig.bbox.height
+    for artist in (ax.title, ax.get_legend()):
+        box = artist.get_window_extent()
+        assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height
+    assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
+    assert not ax.texts  # no labels at the points
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "remat plans (budgets)", "none", "full", "sqrtn", "every_k k=2"]
+    markers = {MARKERS[n] for n in ("full", "sqrtn", "every_k k=2")}
+    assert len(markers) == 3  # three strategies at one point: three markers
+
+
+@contextmanager
+def _hydra_job_logging(cfg):
+    """The plan app's job logging as Hydra configures it (console and plan.log), undone
+    after the block."""
+    names = ["", "remat.plan.report"]
+    kept = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level,
+                logging.getLogger(n).propagate) for n in names}
+    configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
+    try:
+        yield
+    finally:
+        for name, (handlers, level, propagate) in kept.items():
+            logger = logging.getLogger(name)
+            for handler in logger.handlers:
+                if handler not in handlers:
+                    handler.close()
+            logger.handlers[:] = handlers
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+
+def test_the_report_reaches_plan_log_and_the_console_once(tmp_path, capsys):
+    cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "+data.block_size=32",
+                                         "data.batch_size=1", "device=h100", "budgets=0",
+                                         "fixed=false", "memory=0.5", "max_traces=1"])
+    with _hydra_job_logging(cfg):
+        result = plan_run(cfg)
+    command = "  python train.py " + " ".join(result["train_overrides"])
+    assert command == (f"  python train.py model=gpt_tiny +data.block_size=32 data.batch_size=1 "
+                       f"strategy=plan strategy.path={tmp_path / 'plan.json'}")
+    console = capsys.readouterr().out.splitlines()
+    head = ("plan for GPT, batch 1, size 32, 32-true, on NVIDIA H100 SXM5 80GB (h100; NVIDIA "
+            "H100 Tensor Core GPU datasheet (SXM5))")
+    for line in (head, "(keep everything)", command):
+        assert console.count(line) == 1, line  # plain, and not again by the root's handler
+    log_lines = (tmp_path / f"{cfg.hydra.job.name}.log").read_text().splitlines()
+    assert log_lines[0].endswith(f"[remat.plan.report][INFO] - {head}")
+    assert "(keep everything)" in log_lines and command in log_lines
+
+
+def test_effective_batch_writes_the_marked_micro_batch_plan_and_its_command(tmp_path, caplog):
+    # data.batch_size x accumulate_grad_batches is one row of the search (its planner is
+    # reused): the table marks the other one
+    plan_args = ["model=gpt_tiny", "+data.block_size=32", "data.batch_size=1",
+                 "accumulate_grad_batches=2", "device=h100", "budgets=0", "fixed=false",
+                 "memory=0.5", "max_traces=1", "effective_batch_size=2"]
+    with caplog.at_level(logging.INFO, logger="remat.plan.report"):
+        result = plan_run(compose_app("plan", tmp_path, plan_args))
+    marked = [r for r in result["micro_batches"] if r.get("fastest")]
+    assert [(r["micro_batch"], r["accumulate_grad_batches"]) for r in marked] == [(2, 1)]
+    path = tmp_path / "plan.json"
+    saved = json.loads(path.read_text())
+    # the marked row's plan, not the one of data.batch_size=1 x accumulate_grad_batches=2
+    assert saved["batch_size"] == 2 and saved["accumulate_grad_batches"] == 1
+    assert saved == result["plan"] == marked[0]["plan"]
+    assert result["train_overrides"] == [
+        "model=gpt_tiny", "+data.block_size=32", "data.batch_size=2",
+        "accumulate_grad_batches=1", "strategy=plan", f"strategy.path={path}"]
+    printed = "\n".join(r.getMessage() for r in caplog.records).splitlines()
+    assert ("plan for micro-batch 2 x accumulate_grad_batches 1 (the fastest that fits):"
+            in printed)
+    command = next(line for line in printed if line.startswith("  python train.py "))
+
+    # the printed command's overrides are accepted by the replay check; batch 1 is not
+    train_cfg = compose_train(tmp_path / "train", shlex.split(command)[2:])
+    check_plan_fits(Plan.load(path), train_cfg, str(path))
+    with pytest.raises(PlanMismatch, match="made for data.batch_size=2, this run has "
+                                           "data.batch_size=1"):
+        check_plan_fits(Plan.load(path), compose_train(tmp_path / "b1", plan_args[:4]),
+                        str(path))
+
+
+@pytest.mark.slow  # about 20 s: each infeasible row works out what would fit instead
+def test_effective_batch_with_no_micro_batch_that_fits_is_an_infeasible_budget(tmp_path):
+    cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "+data.block_size=32",
+                                         "data.batch_size=1", "device=h100", "budgets=0",
+                                         "fixed=false", "memory=1MiB", "max_traces=1",
+                                         "effective_batch_size=2"])
+    with pytest.raises(InfeasibleBudget, match=r"^effective_batch_size=2: no micro-batch fits "
+                                               r"memory=1MiB; micro-batch 1: memory=1.0 MiB: "
+                                               r"no plan fits\. The smallest peak"):
+        plan_run(cfg)  # remat.plan's main: the message on stderr, exit code 2
+    assert not (tmp_path / "plan.json").exists()

@@ -355,3 +355,41 @@ def test_candidates_of_a_named_sequential_use_its_member_names():
     units = {u.path: u.blocks for u in find_candidates(net)}
     assert units["stem"] == ["stem.conv", "stem.act"]
     assert units["block"] and all(b in named for b in units["block"])
+
+
+def test_a_shared_in_place_activation_in_a_chain_plans_and_keeps_the_function(tmp_path):
+    """MONAI's SegResNet puts its one ``ReLU(inplace=True)`` module (``act_mod``) into its
+    final ``nn.Sequential`` (``conv_final.1``): the profile found no module of that name
+    (KeyError), and the fixed strategies' one-block segments recomputed the ReLU from the
+    input it overwrites (RecomputeError). Planned, every plan holds the ReLU inside a
+    segment that starts before it, and trains with none's gradients."""
+    from remat.planner.search import replayable
+
+    cfg = compose_config("estimate", tmp_path, ["model=monai_swinunetr", "device=cpu",
+                                                "data.image_size=32", "data.batch_size=2"])
+    with open_dict(cfg):
+        cfg.model.net = {"_target_": "monai.networks.nets.SegResNet", "spatial_dims": 2,
+                         "in_channels": 3, "out_channels": 1, "init_filters": 8}
+        cfg.model.stages = []
+    build, _, batch, size = build_from_config(cfg)
+    planner = Planner(build.with_strategy, batch, size, "32-true", device="h100",
+                      max_traces=2)
+    final = planner.blocks["conv_final"]
+    assert final[1].mutated and not replayable(final, 1, 3, "recompute")
+    plan, floor = planner.floor()
+    mid = planner.plan(planner.budget_for(
+        (floor.allocator_peak + planner.none.allocator_peak) // 2)).plan
+    for p in (plan, mid):
+        for unit in p.units:
+            assert all(replayable(planner.blocks[unit.path], *s) for s in unit.segments)
+
+    def grads(strategy):
+        torch.manual_seed(0)
+        model = build.with_strategy(strategy).train()
+        torch.manual_seed(1)
+        model.training_loss(model.example_batch(batch, size)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference = grads(NoCheckpoint())
+    for p in (plan, mid):
+        assert compare_gradients(reference, grads(PlanStrategy(p))).match

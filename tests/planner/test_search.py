@@ -134,3 +134,34 @@ def test_evaluate_chain_refuses_bad_segments():
         evaluate_chain(blocks, [(0, 2, "keep"), (2, 3, "keep")])
     with pytest.raises(ValueError, match="unknown mode"):
         evaluate_chain(blocks, [(0, 3, "offload")])
+
+
+def test_segments_that_write_their_own_input_in_place_are_never_replayed():
+    """Block 1 writes its input (block 0's output) in place, as a chain member
+    ``nn.ReLU(inplace=True)`` does: no recompute or selective segment may start at it;
+    one that starts before it may hold it. Fixed strategies' segments are joined."""
+    from dataclasses import replace
+
+    from remat.planner.search import replayable, replayable_segments
+
+    blocks = random_chain(random.Random(3), 4)
+    blocks[1] = replace(blocks[1], mutated={100: blocks[1].inputs[100]})
+    assert not replayable(blocks, 1, 2, "recompute") and not replayable(blocks, 1, 3,
+                                                                        "recompute")
+    assert not replayable(blocks, 1, 2, "selective") and replayable(blocks, 1, 2, "keep")
+    assert replayable(blocks, 0, 2, "recompute")
+    full = [(i, i + 1, "recompute") for i in range(4)]
+    assert replayable_segments(blocks, full) == [(0, 2, "recompute"), (2, 3, "recompute"),
+                                                 (3, 4, "recompute")]
+    first = [replace(blocks[0], mutated=dict(blocks[0].inputs)), *blocks[1:]]
+    assert replayable_segments(first, [(0, 4, "recompute")]) == [(0, 1, "keep"),
+                                                                (1, 2, "keep"),
+                                                                (2, 4, "recompute")]
+    legal = [p for p in all_plans(4) if all(replayable(blocks, *s) for s in p)]
+    brute = [evaluate_chain(blocks, p) for p in legal]
+    for cap in [*sorted({o.transient for o in brute}), None]:
+        front = chain_frontier(blocks, cap)
+        assert front and all(replayable(blocks, *s) for o in front for s in o.segments)
+        for o in brute:
+            if cap is None or o.transient <= cap:
+                assert min(f.time for f in front if f.kept <= o.kept) <= o.time + 1e-9

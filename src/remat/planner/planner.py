@@ -45,6 +45,7 @@ from remat.planner.search import (
     chain_frontier,
     evaluate_chain,
     modelled_peak,
+    replayable_segments,
     to_block,
 )
 from remat.strategies.base import CheckpointStrategy
@@ -382,7 +383,10 @@ class Planner:
         return self._floor
 
     def _option(self, path: str, segments: list[tuple[int, int, str]]) -> Option:
-        return evaluate_chain(self.blocks[path], segments, self.free)
+        """A fixed choice of segments for one unit, with segments that may not replay (a
+        block writing its input in place) joined or kept (:func:`replayable_segments`)."""
+        blocks = self.blocks[path]
+        return evaluate_chain(blocks, replayable_segments(blocks, segments), self.free)
 
     def references(self, default_stages: Sequence[str] = ()) -> list[tuple[str, Plan]]:
         """The fixed strategies written as plans of the candidate units: ``full``,

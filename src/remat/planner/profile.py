@@ -70,6 +70,9 @@ class BlockCost:
             (see ``_Recorder.selective_cost``).
         inputs: storage key -> bytes of the tensors it is called with.
         outputs: storage key -> bytes of the tensors it returns.
+        mutated: storage key -> bytes of its inputs its own ops write in place (an
+            ``nn.ReLU(inplace=True)`` member of a chain): a recompute segment that starts
+            at it would replay on the values it overwrote, so none may.
     """
 
     path: str
@@ -81,6 +84,7 @@ class BlockCost:
     selective_saved: dict[Any, int] = field(default_factory=dict)
     inputs: dict[Any, int] = field(default_factory=dict)
     outputs: dict[Any, int] = field(default_factory=dict)
+    mutated: dict[Any, int] = field(default_factory=dict)
 
     @property
     def saved_bytes(self) -> int:
@@ -239,6 +243,8 @@ class _Recorder(TorchDispatchMode):
         self.step_flops += flops
         self.step_time += seconds
         block = self.stack[-1] if self.stack else None
+        if block is not None and torch.is_grad_enabled():
+            self._note_writes(func, args, kwargs, self.blocks[block])
         if not torch.is_grad_enabled():
             return out
         self.alive.append(out)
@@ -261,6 +267,23 @@ class _Recorder(TorchDispatchMode):
                 except RuntimeError:  # an in-place op the preset cannot replay
                     self.policies[block] = None
         return out
+
+    @staticmethod
+    def _note_writes(func: Any, args: tuple, kwargs: dict, cost: BlockCost) -> None:
+        """Record in ``cost.mutated`` the block's inputs ``func`` writes in place (its
+        schema's mutable arguments: ``relu_``, ``add_``, ``out=``)."""
+        schema = getattr(func, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            for t in tree_flatten(value)[0]:
+                if isinstance(t, torch.Tensor):
+                    key = _storage_key(t)
+                    if key in cost.inputs:
+                        cost.mutated[key] = cost.inputs[key]
 
     def packed(self, t: torch.Tensor) -> None:
         """Autograd saves ``t`` now (a saved-tensor hook): tell the running block's policy,
@@ -314,26 +337,58 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
         model.train()
         net = getattr(model, "net", model)
         units = find_candidates(net, paths)
-        named = dict(net.named_modules())
+        # every name of a module used in several places (MONAI's SegResNet puts its one
+        # activation module in its final nn.Sequential: named act_mod and conv_final.1)
+        named = dict(net.named_modules(remove_duplicate=False))
         recorder = _Recorder(device, precision, SelectiveCheckpoint("matmul"))
         handles = []
+        owners: dict[int, list[tuple[str, str]]] = {}  # module -> (unit, block) it is
         for unit in units:
             for path in unit.blocks:
                 recorder.blocks[path] = BlockCost(path)
-                module = named[path]
+                owners.setdefault(id(named[path]), []).append((unit.path, path))
+        running: list[str] = []  # the chain units running now, innermost last
 
-                def pre(mod, args, kwargs, path=path):
-                    if torch.is_grad_enabled():
-                        recorder.blocks[path].inputs.update(_tensor_bytes((args, kwargs)))
-                    recorder.stack.append(path)
+        def enter(mod, args, kwargs, unit):
+            running.append(unit)
 
-                def post(mod, args, kwargs, output, path=path):
-                    recorder.stack.pop()
-                    if torch.is_grad_enabled():
-                        recorder.blocks[path].outputs.update(_tensor_bytes(output))
+        def leave(mod, args, kwargs, output):
+            running.pop()
 
-                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(module.register_forward_hook(post, with_kwargs=True))
+        for unit in units:
+            if unit.kind == "chain":
+                chain = named[unit.path]
+                handles.append(chain.register_forward_pre_hook(
+                    lambda m, a, k, u=unit.path: enter(m, a, k, u), with_kwargs=True))
+                handles.append(chain.register_forward_hook(leave, with_kwargs=True))
+
+        def block_of(owned: list[tuple[str, str]]) -> str | None:
+            """The block a call of a (possibly shared) module is: the one whose chain runs
+            it; a module that is one block only is that block wherever it runs."""
+            if len(owned) == 1:
+                return owned[0][1]
+            for unit in reversed(running):
+                for owner, path in owned:
+                    if owner == unit:
+                        return path
+            return next((p for u, p in owned if u == p), None)  # a module unit
+
+        for owned in owners.values():
+            module = named[owned[0][1]]
+
+            def pre(mod, args, kwargs, owned=owned):
+                path = block_of(owned)
+                if path is not None and torch.is_grad_enabled():
+                    recorder.blocks[path].inputs.update(_tensor_bytes((args, kwargs)))
+                recorder.stack.append(path)
+
+            def post(mod, args, kwargs, output):
+                path = recorder.stack.pop()
+                if path is not None and torch.is_grad_enabled():
+                    recorder.blocks[path].outputs.update(_tensor_bytes(output))
+
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True))
         params = {_storage_key(p) for p in [*model.parameters(), *model.buffers()]}
         saved_by: dict[Any, tuple[str | None, int]] = {}
 
@@ -410,6 +465,7 @@ def _picklable(fn: Callable[[nn.Module], Profile]) -> Callable[[nn.Module], Prof
             cost.selective_saved = remap(cost.selective_saved)
             cost.inputs = remap(cost.inputs)
             cost.outputs = remap(cost.outputs)
+            cost.mutated = remap(cost.mutated)
         profile.saved_elsewhere = remap(profile.saved_elsewhere)
         return profile
     return wrapped
@@ -436,7 +492,7 @@ def calibrate_profile(profile: Profile, build: Callable[[], nn.Module], batch_si
     torch.manual_seed(0)
     model = build().to(device).train()
     net = getattr(model, "net", model)
-    named = dict(net.named_modules())
+    named = dict(net.named_modules(remove_duplicate=False))
     times: dict[str, list[float]] = {b: [] for b in profile.blocks}
     starts: dict[str, float] = {}
     handles = []

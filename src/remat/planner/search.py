@@ -49,6 +49,7 @@ class Block:
     flops: int
     selective_time: float
     selective_flops: int
+    mutated: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -95,6 +96,42 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
         internal.update(b.saved)
     return (inputs, _bytes(internal), sum(b.time for b in blocks[start:end]),
             sum(b.flops for b in blocks[start:end]))
+
+
+def replayable(blocks: Sequence[Block], start: int, end: int, mode: str) -> bool:
+    """Whether blocks ``[start, end)`` may run in ``mode``: a recompute (or selective)
+    segment must not write any of its own inputs in place, or its replay in backward
+    would start from the overwritten values (remat's recompute refuses it)."""
+    if mode == "keep":
+        return True
+    produced: dict = {}
+    inputs: dict = {}
+    for b in blocks[start:end]:
+        inputs.update({k: v for k, v in b.inputs.items() if k not in produced})
+        produced.update(b.outputs)
+    return not any(k in inputs for b in blocks[start:end] for k in b.mutated)
+
+
+def replayable_segments(blocks: Sequence[Block], segments: Sequence[tuple[int, int, str]]
+                        ) -> list[tuple[int, int, str]]:
+    """``segments`` with each segment that may not replay (:func:`replayable`) joined to
+    the recompute segment before it, or, with none before it, its first block kept and the
+    rest tried again: what a fixed strategy's segments become on a chain with in-place
+    blocks."""
+    out: list[tuple[int, int, str]] = []
+    todo = list(segments)
+    while todo:
+        start, end, mode = todo.pop(0)
+        if replayable(blocks, start, end, mode):
+            out.append((start, end, mode))
+        elif out and out[-1][2] == "recompute" and replayable(blocks, out[-1][0], end,
+                                                                "recompute"):
+            out[-1] = (out[-1][0], end, "recompute")
+        else:
+            out.append((start, start + 1, "keep"))
+            if end > start + 1:
+                todo.insert(0, (start + 1, end, mode))
+    return out
 
 
 def evaluate_chain(blocks: Sequence[Block], segments: Sequence[tuple[int, int, str]],
@@ -157,6 +194,8 @@ def chain_frontier(blocks: Sequence[Block], cap: int | None = None, free: dict |
             ends = range(start + 1, min(n, start + longest) + 1) if mode == "recompute" else (
                 start + 1,)
             for end in ends:
+                if not replayable(blocks, start, end, mode):
+                    continue
                 keys, trans, t, f = segment_keys(blocks, start, end, mode)
                 if cap is None or trans <= cap:
                     segs[(start, end, mode)] = ({k: v for k, v in keys.items()
@@ -286,9 +325,10 @@ def describe(option: Option) -> str:
 def to_block(cost: Any, objective: str = "time") -> Block:
     """A :class:`Block` from a :class:`~remat.planner.profile.BlockCost`; with
     ``objective="flops"`` its ``time`` fields hold FLOPs (the search minimises those)."""
+    mutated = dict(getattr(cost, "mutated", {}))
     if objective == "flops":
         return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs,
                      float(cost.flops), cost.flops, float(cost.selective_flops),
-                     cost.selective_flops)
+                     cost.selective_flops, mutated)
     return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs, cost.time,
-                 cost.flops, cost.selective_time, cost.selective_flops)
+                 cost.flops, cost.selective_time, cost.selective_flops, mutated)

@@ -33,8 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 # Operators whose arguments and outputs together are smaller than this are not measured: a
-# kernel's own buffers are at most a few times what it reads and writes.
-MIN_BYTES = 1 << 20
+# kernel's own buffers are at most a few times what it reads and writes. At 1 MiB a MONAI
+# UNet at 128 px, batch 2 (a 21.9 MiB step) was predicted 3.4% below its allocator peak,
+# its many small calls' buffers unseen; at 256 KiB, 1.1% above.
+MIN_BYTES = 1 << 18
 
 
 @dataclass(frozen=True)

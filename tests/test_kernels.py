@@ -109,3 +109,20 @@ def test_planning_for_a_gpu_measures_temporaries_where_asked(tmp_path, monkeypat
         BudgetStrategy(memory="1GiB", device="h100", temporaries=True).planned(
             build, batch, size, "32-true")
     assert seen["temporaries"] is True
+
+
+def test_a_result_that_cannot_leave_the_child_is_an_error_not_a_dead_child():
+    """A job whose result does not pickle (a lambda) gets an error naming why; the
+    profiler's record_function ranges are not recorded as operator calls (their script
+    object does not pickle: the list of calls of a step under a profiler did not)."""
+    import threading
+
+    with pytest.raises(RuntimeError, match="cannot be sent to the parent process"):
+        in_children([lambda: threading.Lock()])
+
+    def work():
+        with torch.profiler.record_function("range"):
+            torch.ones(4).add_(1)
+
+    _, calls = record_signatures(work, min_bytes=0)
+    assert calls and not any(str(c.func).startswith("profiler.") for c in calls.values())

@@ -108,7 +108,8 @@ class _SignatureRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace in ("prim",) or func.is_view:
+        # prim: metadata; profiler: record_function's ranges (a script object, no kernel)
+        if func.namespace in ("prim", "profiler") or func.is_view:
             return out
         flat = tree_flatten((args, kwargs, out))[0]
         if _nbytes(flat) >= self.min_bytes:

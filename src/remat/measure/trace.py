@@ -397,8 +397,14 @@ def _child(fn: Callable[[], Any], read_fd: int, write_fd: int) -> None:
                 payload = (False, err)
             except Exception:  # noqa: BLE001
                 payload = (False, RuntimeError(f"{type(err).__name__}: {err}"))
+        try:
+            data = pickle.dumps(payload)
+        except Exception as err:  # noqa: BLE001 - a result that cannot leave the child
+            data = pickle.dumps((False, RuntimeError(
+                f"trace: the result of {getattr(fn, '__qualname__', fn)!r} cannot be sent to "
+                f"the parent process ({type(err).__name__}: {err})")))
         with os.fdopen(write_fd, "wb") as pipe:
-            pickle.dump(payload, pipe)
+            pipe.write(data)
         code = 0
     finally:  # never return into the parent's stack (a second training process)
         os._exit(code)

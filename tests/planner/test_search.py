@@ -165,3 +165,24 @@ def test_segments_that_write_their_own_input_in_place_are_never_replayed():
         for o in brute:
             if cap is None or o.transient <= cap:
                 assert min(f.time for f in front if f.kept <= o.kept) <= o.time + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_least_kept_is_the_fewest_bytes_any_plan_keeps_within_the_cap(seed):
+    """The floor's DP against brute force: the least kept bytes over every plan whose
+    transient fits the cap, the least time among those, and the frontier's first option."""
+    from remat.planner.search import least_kept
+
+    rng = random.Random(100 + seed)
+    n = rng.randint(1, 6)
+    blocks = random_chain(rng, n)
+    free = {0: 40}
+    brute = [evaluate_chain(blocks, plan, free) for plan in all_plans(n)]
+    for cap in [*sorted({o.transient for o in brute}), None]:
+        allowed = [o for o in brute if cap is None or o.transient <= cap]
+        got = least_kept(blocks, cap, free)
+        fewest = min(o.kept for o in allowed)
+        assert got.kept == fewest and (cap is None or got.transient <= cap)
+        assert got.time == pytest.approx(min(o.time for o in allowed if o.kept == fewest))
+        assert evaluate_chain(blocks, got.segments, free).kept == got.kept
+        assert chain_frontier(blocks, cap, free)[0].kept == fewest

@@ -119,7 +119,7 @@ def main(argv: list[str]) -> None:
              "allocator / predicted | fits | plan FLOPs x none | best fixed that fits (FLOPs x "
              "none) | lower | grads = none | plan s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    strictly = 0
+    strictly = only = 0
     for i in range(args.budgets):
         budget = low + (high - low) * i // max(1, args.budgets - 1)
         t0 = time.perf_counter()
@@ -139,6 +139,7 @@ def main(argv: list[str]) -> None:
         lower = best is not None and plan.recompute_flops < best[1]
         not_above = best is None or plan.recompute_flops <= best[1]
         strictly += lower
+        only += best is None
         ratio = 1 + plan.recompute_flops / none.step_flops
         best_text = (f"{best[0]} {1 + best[1] / none.step_flops:.3f}" if best else "none fits")
         predicted = plan.predicted_allocator_peak_bytes
@@ -146,11 +147,12 @@ def main(argv: list[str]) -> None:
                      f"{format_bytes(predicted)} | {format_bytes(alloc)} | "
                      f"{alloc / predicted:.4f} | "
                      f"{'yes' if alloc <= budget else 'NO'} | {ratio:.3f} | {best_text} | "
-                     f"{'yes' if lower else ('-' if best is None else 'no')}"
+                     f"{'yes' if lower else ('only plan' if best is None else 'no')}"
                      f"{'' if not_above else ' ABOVE'} | {'yes' if parity.match else 'NO'} "
                      f"({parity.max_abs_diff:.1e}) | {seconds:.0f} |")
     lines += ["", f"strictly lower recompute FLOPs than every fitting fixed strategy at "
-              f"{strictly} of {args.budgets} budgets", "", "fixed strategies (allocator peak "
+              f"{strictly} of {args.budgets} budgets; no fixed strategy fits at {only} more",
+              "", "fixed strategies (allocator peak "
               "/ predicted allocator peak / FLOPs x none): "
               + ", ".join(f"{lab} {format_bytes(pk)} / {format_bytes(tr)} / "
                           f"{1 + fl / none.step_flops:.3f}" for lab, pk, fl, tr in fixed), ""]

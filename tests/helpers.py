@@ -104,3 +104,11 @@ def logged(run_dir: Path, key: str) -> dict[int, float]:
             assert step not in values, f"{key} logged twice at step {step} in {run_dir}"
             values[step] = float(row[key])
     return values
+
+
+class SigtermWhenBuilt(L.Callback):
+    """Test helper: the process sends itself SIGTERM while the run's callbacks are built,
+    after planning and the model build, before the Trainer exists."""
+
+    def __init__(self) -> None:
+        os.kill(os.getpid(), signal_module.SIGTERM)

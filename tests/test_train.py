@@ -273,3 +273,30 @@ def test_estimate_at_start_traces_a_ready_net(tmp_path):
     est, measured = summary["memory_estimate"], summary["peak_memory_bytes"]
     assert est is not None, summary["memory_estimate_note"]
     assert abs(est["peak_bytes"] - measured) <= 0.10 * measured, (est, measured)
+
+
+def test_sigterm_before_the_trainer_starts_writes_an_interrupted_summary(tmp_path):
+    """SIGTERM while a run plans or builds (here: while its callbacks are built) stops it
+    with ``status: interrupted`` and exit code 143; Python's default ended the process
+    with no summary.json."""
+    with pytest.raises(SystemExit) as stopped:
+        train(compose_train(tmp_path, [*TINY, "+callbacks.kill._target_="
+                                              "tests.helpers.SigtermWhenBuilt"]))
+    assert stopped.value.code == 143
+    summary = _summary(tmp_path)
+    assert summary["status"] == "interrupted" and summary["strategy_report"] is None
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_resume_that_fails_before_training_keeps_the_runs_summary(tmp_path):
+    """A resume into a finished run's folder that fails at its config (a bad precision)
+    notes the attempt under ``last_attempt`` and keeps the run's summary (status, steps,
+    peaks); a later resume with the right config still finds the folder's run."""
+    done = train(compose_train(tmp_path, TINY))
+    with pytest.raises(ValueError, match="precision"):
+        train(compose_train(tmp_path, [*TINY, "precision=bogus", "ckpt_path=last"]))
+    kept = _summary(tmp_path)
+    assert kept["status"] == "completed" and kept["global_step"] == done["global_step"] == 2
+    assert kept["peak_memory_bytes"] == done["peak_memory_bytes"]
+    assert kept["last_attempt"]["status"] == "failed"
+    assert "precision" in kept["last_attempt"]["error"]

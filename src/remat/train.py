@@ -11,9 +11,14 @@ loader state for resuming (:class:`~remat.callbacks.ResumeState`), the monitor c
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -136,13 +141,51 @@ def _checkpoint_to_resume(cfg: DictConfig) -> tuple[Any, dict[str, Any] | None]:
     return ckpt_path, read_checkpoint(ckpt_path)
 
 
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises Lightning's ``SIGTERMException`` here (main thread only), so a run
+    stopped while it plans or builds writes ``status: interrupted``; Python's default would
+    end the process at once, with no ``summary.json``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_sigterm(signum: int, frame: Any) -> None:
+        raise SIGTERMException
+
+    previous = signal.signal(signal.SIGTERM, raise_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _record_failure(path: Path, failure: dict[str, Any]) -> None:
+    """Write ``failure`` (a run that stopped before its Trainer ran) as ``summary.json``;
+    where the folder already holds an earlier run's summary (a resume that failed: bad
+    config, infeasible budget, plan mismatch), keep that record and note the attempt under
+    ``last_attempt`` (status, error, time), so the trained run's numbers are not lost."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if not isinstance(earlier, dict) or earlier.get("global_step") is None:
+        write_json(path, failure)
+        return
+    earlier["last_attempt"] = {"status": failure["status"], "error": failure["error"],
+                               "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    write_json(path, earlier)
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train the configured model; return the run summary (also in ``summary.json``).
 
     Writes into ``cfg.paths.output_dir`` (claimed for this process first, see
     :func:`remat.callbacks.claim_run_dir`): ``config.yaml`` (resolved), logs,
     ``checkpoints/last.ckpt`` and the best checkpoint by ``cfg.monitor``, ``summary.json``.
-    A run that fails still writes ``summary.json`` with ``status: failed`` and the error;
+    A run that fails still writes ``summary.json`` with ``status: failed`` and the error (a
+    resume that fails before training keeps the folder's earlier summary and notes the
+    attempt under ``last_attempt``);
     one stopped by SIGTERM/SIGINT writes ``status: interrupted`` and a checkpoint, and exits
     with ``128 + signal number`` (``SystemExit``).
 
@@ -159,26 +202,27 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks: list[Any] = []
         trainer_started = False
         try:
-            check_top_level(cfg)
-            OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-            L.seed_everything(cfg.seed, workers=True)
-            datamodule = instantiate(cfg.data)
-            ckpt_path, ckpt = _checkpoint_to_resume(cfg)
-            model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
-            check_model_fits_data(model, datamodule, _choice("model"), _choice("data"))
-            if ckpt is not None:
-                check_checkpoint_fits(model, ckpt, ckpt_path)
-                del ckpt  # Lightning reads the file again in fit, with the optimizer state
-            callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
-            trainer = instantiate(cfg.trainer, callbacks=callbacks,
-                                  logger=instantiate_group(cfg.get("logger"), "logger") or False)
+            with _sigterm_raises():  # until Lightning's own handler takes over in fit
+                check_top_level(cfg)
+                OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+                L.seed_everything(cfg.seed, workers=True)
+                datamodule = instantiate(cfg.data)
+                ckpt_path, ckpt = _checkpoint_to_resume(cfg)
+                model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
+                check_model_fits_data(model, datamodule, _choice("model"), _choice("data"))
+                if ckpt is not None:
+                    check_checkpoint_fits(model, ckpt, ckpt_path)
+                    del ckpt  # Lightning reads the file again in fit, with the optimizer state
+                callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
+                trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=instantiate_group(
+                    cfg.get("logger"), "logger") or False)
             trainer_started = True
             trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path,
                         weights_only=True)  # a checkpoint is read as data, never run
         except BaseException as err:
             summary_cb = next((c for c in callbacks if isinstance(c, RunSummary)), None)
             if not trainer_started or summary_cb is None or summary_cb.summary is None:
-                write_json(out / "summary.json", failure_summary(cfg, err))
+                _record_failure(out / "summary.json", failure_summary(cfg, err))
             code = _exit_code(err, callbacks)
             if code is not None:
                 raise SystemExit(code) from err

@@ -38,7 +38,14 @@ from remat import run_shape
 from remat.config import config_dir
 from remat.estimate import build_from_config
 from remat.measure import format_bytes
-from remat.planner import InfeasibleBudget, Plan, PlanMismatch, Planner, PlanStrategy
+from remat.planner import (
+    InfeasibleBudget,
+    Plan,
+    PlanInputError,
+    PlanMismatch,
+    Planner,
+    PlanStrategy,
+)
 from remat.planner.budget import BudgetStrategy
 from remat.planner.devices import known_devices, present_device_name
 from remat.planner.plan import SAVED_STATE_VERSION
@@ -413,7 +420,7 @@ def micro_batches(cfg: DictConfig, memory: Any, effective: int,
     build, _, size, precision, _ = run_shape_of(cfg)
     sharding = run_shape.sharding_of(cfg)
     if effective % sharding.world_size:
-        raise ValueError(f"effective_batch_size={effective} is not a multiple of world_size="
+        raise PlanInputError(f"effective_batch_size={effective} is not a multiple of world_size="
                          f"{sharding.world_size}: every rank trains the same number of "
                          "samples per optimizer step (micro-batch x accumulate_grad_batches x "
                          "world_size); pick an effective_batch_size divisible by world_size")
@@ -525,7 +532,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     effective = int(cfg.get("effective_batch_size") or 0)
     if effective and cfg.get("memory") is None:
-        raise ValueError("effective_batch_size needs memory=... (the budget to fit)")
+        raise PlanInputError("effective_batch_size needs memory=... (the budget to fit)")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     build, batch_size, size, precision, accumulate = run_shape_of(cfg)
@@ -588,12 +595,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="plan")
 def main(cfg: DictConfig) -> None:
     """Hydra app around :func:`run`; an infeasible budget exits with code 2 and what would
-    fit instead (on stderr)."""
+    fit instead (on stderr); a bad planner setting (:class:`~remat.planner.PlanInputError`)
+    exits with code 1 and its message on one line (``error: ...``)."""
     try:
         run(cfg)
     except InfeasibleBudget as err:
         print(str(err), file=sys.stderr)
         sys.exit(2)
+    except PlanInputError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,7 +40,7 @@ from remat.models.checks import (
     check_sharded_resume,
     read_checkpoint,
 )
-from remat.planner import PlanMismatch
+from remat.planner import InfeasibleBudget, PlanInputError, PlanMismatch
 
 log = logging.getLogger(__name__)
 
@@ -248,27 +249,38 @@ def _single_run() -> bool:
 def main(cfg: DictConfig) -> float | None:
     """Hydra app; returns the monitored metric's best value (for sweepers).
 
-    A replayed plan made for another run shape (:class:`~remat.planner.PlanMismatch`) ends
-    a single run with its message on one line (``error: ...``, exit code 1), as a run
-    folder in use does; in a multirun it fails that job only, so the other jobs still run.
+    A replayed plan made for another run shape (:class:`~remat.planner.PlanMismatch`) or a
+    bad planner setting (:class:`~remat.planner.PlanInputError`: ``strategy.memory``,
+    ``strategy.device``, ...) ends a single run with its message on one line (``error:
+    ...``, exit code 1), as a run folder in use does; a budget no plan meets
+    (:class:`~remat.planner.InfeasibleBudget`) prints what would fit and exits with code 2,
+    as ``python -m remat.plan`` does. In a multirun they fail that job only, so the other
+    jobs still run.
     """
     try:
         summary = train(cfg)
     except Exception as err:
-        mismatch = _plan_mismatch(err)
-        if mismatch is not None and _single_run():
-            raise SystemExit(f"error: {mismatch}") from None
+        known = _planner_error(err)
+        if known is not None and _single_run():
+            if isinstance(known, InfeasibleBudget):
+                print(str(known), file=sys.stderr)
+                raise SystemExit(2) from None
+            raise SystemExit(f"error: {known}") from None
         raise
     return summary.get("best_model_score")
 
 
-def _plan_mismatch(err: BaseException | None) -> PlanMismatch | None:
+def _planner_error(err: BaseException | None) -> ValueError | None:
     """``err`` or the error it was raised from (Hydra's ``instantiate`` wraps what a model
-    constructor raises), if it is a :class:`~remat.planner.PlanMismatch`."""
-    while err is not None:
-        if isinstance(err, PlanMismatch):
+    or strategy constructor raises), if it is a planner's input error: a
+    :class:`~remat.planner.PlanMismatch`, :class:`~remat.planner.PlanInputError` or
+    :class:`~remat.planner.InfeasibleBudget`."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, PlanMismatch | PlanInputError | InfeasibleBudget):
             return err
-        err = err.__cause__
+        err = err.__cause__ or err.__context__
     return None
 
 

@@ -197,3 +197,32 @@ def test_effective_batch_with_no_micro_batch_that_fits_is_an_infeasible_budget(t
                                                r"no plan fits\. The smallest peak"):
         plan_run(cfg)  # remat.plan's main: the message on stderr, exit code 2
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_bad_planner_settings_and_infeasible_budgets_end_a_run_without_a_traceback(
+        tmp_path, capsys):
+    """``python train.py strategy=budget strategy.memory=abc`` and ``python -m remat.plan
+    memory=0``: one line naming the key (exit code 1); a budget below what any plan needs:
+    what would fit, on stderr, exit code 2 (as remat.plan gives it)."""
+    from remat.plan import main as plan_main
+
+    def as_single_run(cfg):
+        with read_write(cfg.hydra):
+            cfg.hydra.mode = RunMode.RUN
+        HydraConfig().set_config(cfg)
+        return cfg
+
+    cfg = compose_train(tmp_path / "bad", [*TINY, "strategy=budget", "strategy.memory=abc"])
+    with pytest.raises(SystemExit) as stop:
+        train_main.__wrapped__(as_single_run(cfg))
+    assert str(stop.value.code).startswith("error: strategy.memory='abc': cannot read")
+    cfg = compose_app("plan", tmp_path / "plan", ["memory=0"])
+    with pytest.raises(SystemExit) as stop:
+        plan_main.__wrapped__(as_single_run(cfg))
+    assert str(stop.value.code).startswith("error: memory=0: a memory budget must be > 0")
+    cfg = compose_train(tmp_path / "tight", [*TINY, "strategy=budget", "strategy.memory=2MiB",
+                                             "strategy.device=h100"])
+    with pytest.raises(SystemExit) as stop:
+        train_main.__wrapped__(as_single_run(cfg))
+    assert stop.value.code == 2
+    assert "no plan fits" in capsys.readouterr().err

@@ -9,7 +9,7 @@ device (no Lightning imports here).
 
 from remat.planner.budget import BudgetStrategy
 from remat.planner.devices import DEVICES, DeviceSpec, get_device, known_devices
-from remat.planner.memory import parse_memory
+from remat.planner.memory import PlanInputError, parse_memory
 from remat.planner.plan import Plan, PlanMismatch, PlanStrategy, UnitPlan
 from remat.planner.planner import InfeasibleBudget, Planned, Planner, make_plan
 
@@ -19,6 +19,7 @@ __all__ = [
     "DeviceSpec",
     "InfeasibleBudget",
     "Plan",
+    "PlanInputError",
     "PlanMismatch",
     "PlanStrategy",
     "Planned",

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from remat.planner.memory import PlanInputError
+
 GB = 10**9
 TFLOPS = 10**12
 GBPS = 10**9
@@ -90,8 +92,8 @@ def known_devices() -> list[str]:
     return [*DEVICES, "cpu", "auto"]
 
 
-def _unknown(name: str, key: str) -> ValueError:
-    return ValueError(
+def _unknown(name: str, key: str) -> PlanInputError:
+    return PlanInputError(
         f"{key}={name!r}: unknown device; known: {', '.join(known_devices())}. For another "
         f"device give its figures by hand: {key}={{name: mygpu, memory_bytes: 48e9, "
         "fp32_flops: 40e12, bf16_flops: 300e12, bandwidth: 1.5e12} (FLOP/s and bytes/s)")
@@ -178,7 +180,7 @@ def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") ->
         need = ("name", "memory_bytes", "fp32_flops", "bf16_flops", "bandwidth")
         missing = [k for k in need if k not in fields]
         if missing:
-            raise ValueError(f"{key}: a device given by hand needs {', '.join(need)}; "
+            raise PlanInputError(f"{key}: a device given by hand needs {', '.join(need)}; "
                              f"missing {', '.join(missing)}")
         try:
             return DeviceSpec(str(fields["name"]), str(fields.get("title", fields["name"])),
@@ -186,14 +188,14 @@ def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") ->
                               float(fields["bf16_flops"]), float(fields["bandwidth"]),
                               str(fields.get("source", "given by hand")))
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{key}: device figures must be numbers ({err})") from err
+            raise PlanInputError(f"{key}: device figures must be numbers ({err})") from err
     name = str(device).strip().lower().replace("-", "_")
     if name == "auto":
         present = _present_cuda()
         if present is not None:
             return present
         if torch.cuda.is_available():
-            raise ValueError(f"{key}=auto: the GPU here ({torch.cuda.get_device_name()}) is "
+            raise PlanInputError(f"{key}=auto: the GPU here ({torch.cuda.get_device_name()}) is "
                              f"not in the device table; name one ({', '.join(DEVICES)}) or "
                              "give its figures by hand")
         return cpu_spec()

@@ -35,7 +35,7 @@ from remat.measure import format_bytes
 from remat.measure.kernels import KernelTemporaries, measure_temporaries, signatures_fn
 from remat.measure.trace import built_fn, in_children, side_by_side, step_fn, trace_steps
 from remat.planner.devices import DeviceSpec, get_device
-from remat.planner.memory import parse_memory
+from remat.planner.memory import PlanInputError, parse_memory
 from remat.planner.plan import Plan, PlanStrategy, UnitPlan
 from remat.planner.profile import Profile, calibrate_profile, profile_fn
 from remat.planner.search import (
@@ -106,10 +106,10 @@ def check_options(objective: str, margin: float, key: str = "strategy") -> None:
     """
     prefix = f"{key}." if key else ""
     if objective not in ("time", "flops"):
-        raise ValueError(f"{prefix}objective={objective!r}: use time (roofline on the device) "
-                         "or flops (recompute FLOPs, device-independent)")
+        raise PlanInputError(f"{prefix}objective={objective!r}: use time (roofline on the "
+                             "device) or flops (recompute FLOPs, device-independent)")
     if not (0 <= float(margin) < 1):
-        raise ValueError(f"{prefix}margin={margin!r}: a fraction of the budget in [0, 1)")
+        raise PlanInputError(f"{prefix}margin={margin!r}: a fraction of the budget in [0, 1)")
 
 
 class InfeasibleBudget(ValueError):
@@ -230,7 +230,7 @@ class Planner:
             present = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             if (present.type == "cpu") != (self.spec.name == "cpu"):
                 here = "cpu" if present.type == "cpu" else "auto"
-                raise ValueError(f"strategy.calibrate=true times the units on the device "
+                raise PlanInputError(f"strategy.calibrate=true times the units on the device "
                                  f"present ({present.type}), not on {self.spec.name}: plan "
                                  f"with strategy.device={here} or without calibrate")
             calibrate_profile(self.profile, lambda: build(NoCheckpoint()), batch_size, size,

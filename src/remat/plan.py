@@ -458,6 +458,11 @@ PLAN_ONLY_KEYS = ("memory", "device", "margin", "units", "budgets", "fixed", "ma
                   "reshard_after_forward", "strategy")
 
 
+#: Config groups ``train.yaml``'s defaults list holds but ``plan.yaml``'s does not: added
+#: with ``+`` to ``remat.plan``, chosen without it in ``train.py``.
+TRAIN_GROUPS = ("experiment", "debug", "trainer", "callbacks", "logger")
+
+
 def train_overrides(path: Path, micro_batch: int | None = None,
                     accumulate: int | None = None) -> list[str]:
     """The overrides that train with the plan at ``path``: this ``remat.plan`` call's own
@@ -478,6 +483,8 @@ def train_overrides(path: Path, micro_batch: int | None = None,
         if (key.split(".")[0] in PLAN_ONLY_KEYS or key.startswith("hydra.")
                 or key in replaced):
             continue
+        if override.startswith("+") and key in TRAIN_GROUPS:
+            override = override[1:]  # a group train.yaml lists (+experiment= is refused there)
         kept.append(override)
     if micro_batch:
         kept += [f"data.batch_size={micro_batch}", f"accumulate_grad_batches={accumulate}"]

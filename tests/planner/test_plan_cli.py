@@ -226,3 +226,18 @@ def test_bad_planner_settings_and_infeasible_budgets_end_a_run_without_a_traceba
         train_main.__wrapped__(as_single_run(cfg))
     assert stop.value.code == 2
     assert "no plan fits" in capsys.readouterr().err
+
+
+def test_the_printed_train_command_chooses_an_experiment_as_train_py_does(tmp_path):
+    """``remat.plan`` takes ``+experiment=...`` (its defaults list has no experiment group);
+    the train command it prints says ``experiment=...``, which ``train.py`` composes
+    (``+experiment=`` there fails with 'Multiple values for experiment')."""
+    from remat.plan import train_overrides
+
+    compose_app("plan", tmp_path / "plan", ["+experiment=shakespeare_gpt", "memory=1GiB",
+                                            "data.batch_size=4"])
+    overrides = train_overrides(tmp_path / "plan.json")
+    assert overrides == ["experiment=shakespeare_gpt", "data.batch_size=4", "strategy=plan",
+                         f"strategy.path={tmp_path / 'plan.json'}"]
+    cfg = compose_train(tmp_path / "train", overrides)
+    assert cfg.monitor == "val/loss" and cfg.strategy.path == str(tmp_path / "plan.json")

@@ -300,3 +300,18 @@ def test_a_resume_that_fails_before_training_keeps_the_runs_summary(tmp_path):
     assert kept["peak_memory_bytes"] == done["peak_memory_bytes"]
     assert kept["last_attempt"]["status"] == "failed"
     assert "precision" in kept["last_attempt"]["error"]
+
+
+@pytest.mark.parametrize(("after", "steps"), [(2, 4 + 8), (8, 4 + 2)])
+def test_resume_from_an_epoch_end_with_another_batch_size_starts_the_next_epoch(
+        tmp_path, after, steps):
+    """An epoch of 4 batches of 4, then a resume at batch ``after`` for one more epoch: the
+    finished epoch is not trained again (at batch 2 Lightning compared its 4 restored
+    batches with the new loader's 8 and trained 4 more in epoch 0: 16 steps, not 12)."""
+    base = ["data.image_size=32", "data.num_train=16", "data.num_val=2",
+            "model.arch_kwargs.decoder_channels=[16,16,8,8,8]", *TINY[4:]]
+    first = train(compose_train(tmp_path, [*base, "data.batch_size=4"]))
+    assert first["global_step"] == 4
+    resumed = train(compose_train(tmp_path, [*base, f"data.batch_size={after}",
+                                             "trainer.max_epochs=2", "ckpt_path=last"]))
+    assert resumed["global_step"] == steps

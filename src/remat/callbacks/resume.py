@@ -183,6 +183,10 @@ class ResumeState(L.Callback):
                 inner, own if isinstance(own, torch.Generator) else generator)
         self._sampler = inner
         self._batch_size = batch_sampler.batch_size
+        try:
+            self._num_batches: int | None = len(batch_sampler)
+        except TypeError:  # a sampler without a length
+            self._num_batches = None
         if pending is not None:
             self._apply(pending)
 
@@ -209,6 +213,31 @@ class ResumeState(L.Callback):
             set_rng_state(self._rng)
             self._rng = None
         self._between_epochs = True
+        self._close_restored_epoch()
+
+    _num_batches: int | None = None
+
+    def _close_restored_epoch(self) -> None:
+        """After an epoch-end checkpoint, make Lightning's restored loop count that epoch's
+        batches as this loader's: resumed with another batch size, it compared the old
+        count with the new loader's length and trained on in the finished epoch (batch 4 ->
+        2 after an 8-batch epoch: 8 more batches of that epoch). The counters move by the
+        same amount, so Lightning still sees a restart after the epoch's last batch."""
+        trainer, n = self._trainer, self._num_batches
+        if trainer is None or n is None:
+            return
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        done = progress.current.completed
+        if not progress.is_last_batch or done in (0, n):
+            return
+        delta = n - done
+        for counts in (progress.current, progress.total):
+            counts.ready += delta
+            counts.started += delta
+            counts.processed += delta
+            counts.completed += delta
+        log.info("resume: the checkpoint's epoch ended after %d batches of the old size; "
+                 "counted as the %d of this loader", done, n)
 
     _between_epochs = False
 

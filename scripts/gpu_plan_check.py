@@ -31,11 +31,12 @@ import time
 from pathlib import Path
 
 import torch
+from plan_acceptance import gradients  # scripts/, beside this file
 
 from remat.bench import ProfilerPeakMemory
 from remat.estimate import build_from_config
 from remat.measure import format_bytes
-from remat.measure.parity import TOLERANCES, compare_gradients, gradients_of
+from remat.measure.parity import TOLERANCES, compare_gradients
 from remat.measure.step import autocast
 from remat.measure.trace import _batch, _optimizer, optimizer_steps
 from remat.planner import InfeasibleBudget, Planner, PlanStrategy
@@ -94,19 +95,6 @@ def timed_step(row: Row, batch, device, precision) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def gradients(build, strategy, batch, device, precision) -> dict[str, torch.Tensor]:
-    """Gradients of one forward/backward from the rows' initial weights (seeded masks)."""
-    torch.manual_seed(0)
-    model = build(strategy).train().to(device)
-    torch.manual_seed(7)
-    with autocast(device, precision):
-        loss = model.training_loss(batch)
-    loss.backward()
-    grads = {k: v.cpu() for k, v in gradients_of(model).items()}
-    del model, loss
-    gc.collect()
-    return grads
-
 
 def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -152,15 +140,15 @@ def main(argv: list[str]) -> dict:
             ms = timed_step(row, batch, device, precision)
             if r >= args.warmup:
                 row.times.append(ms)
-    ref_grads = gradients(build, NoCheckpoint(), batch, device, precision)
+    ref_grads = gradients(build, NoCheckpoint(), batch_size, size, precision, batch, device)
     rtol, atol = TOLERANCES.get(precision, TOLERANCES["32-true"])
     none_ms = statistics.median(rows[0].times)
     records = []
     for row, extra in zip(rows, [None, *plans], strict=True):
         plan = extra[1] if extra else None
         predicted = plan.predicted_allocator_peak_bytes if plan else planner.none.allocator_peak
-        parity = (compare_gradients(ref_grads, gradients(build, row.strategy, batch, device,
-                                                          precision), rtol, atol)
+        parity = (compare_gradients(ref_grads, gradients(build, row.strategy, batch_size, size,
+                                                          precision, batch, device), rtol, atol)
                   if plan else None)
         records.append({
             "row": row.label, "budget_bytes": extra[0] if extra else None,

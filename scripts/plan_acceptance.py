@@ -52,17 +52,21 @@ def allocator_peak(build, strategy, batch_size, size, precision) -> int:
     return int(meter.peak_bytes)
 
 
-def gradients(build, strategy, batch_size, size, precision) -> dict[str, torch.Tensor]:
-    """Gradients of one real forward/backward from the same initial weights and batch."""
+def gradients(build, strategy, batch_size, size, precision, batch=None,
+              device="cpu") -> dict[str, torch.Tensor]:
+    """Gradients (on the CPU) of one real forward/backward on ``device`` from the same
+    initial weights and batch (``batch``, or an example batch seeded 99) and dropout masks."""
+    device = torch.device(device)
     torch.manual_seed(0)
-    model = build(strategy).train()
+    model = build(strategy).train().to(device)
     torch.manual_seed(99)
-    batch = _batch(model, batch_size, size, torch.device("cpu"))
+    if batch is None:
+        batch = _batch(model, batch_size, size, device)
     torch.manual_seed(7)  # same dropout masks
-    with autocast("cpu", precision):
+    with autocast(device, precision):
         loss = model.training_loss(batch)
     loss.backward()
-    grads = gradients_of(model)
+    grads = {k: v.cpu() for k, v in gradients_of(model).items()}
     del model, loss, batch
     gc.collect()
     return grads

@@ -531,8 +531,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         What was reported, as data.
 
     Raises:
-        ValueError: ``effective_batch_size`` without ``memory``, or not a multiple of
-            ``world_size``.
+        remat.planner.PlanInputError: ``effective_batch_size`` without ``memory``, or not a
+            multiple of ``world_size``; a ``plan.json`` already in the output folder (a run
+            may train with it).
         remat.planner.InfeasibleBudget: no plan fits ``memory`` (with
             ``effective_batch_size``: no micro-batch does; the message is the smallest
             micro-batch's).
@@ -541,6 +542,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if effective and cfg.get("memory") is None:
         raise PlanInputError("effective_batch_size needs memory=... (the budget to fit)")
     out = Path(cfg.paths.output_dir)
+    if cfg.get("memory") is not None and (out / "plan.json").exists():
+        raise PlanInputError(f"{out / 'plan.json'} exists: a run may train with it (strategy=plan "
+                             "strategy.path=...) and would no longer match it; plan into "
+                             "another folder (hydra.run.dir=...) or remove that file")
     out.mkdir(parents=True, exist_ok=True)
     build, batch_size, size, precision, accumulate = run_shape_of(cfg)
     sharding = run_shape.sharding_of(cfg)

@@ -241,3 +241,14 @@ def test_the_printed_train_command_chooses_an_experiment_as_train_py_does(tmp_pa
                          f"strategy.path={tmp_path / 'plan.json'}"]
     cfg = compose_train(tmp_path / "train", overrides)
     assert cfg.monitor == "val/loss" and cfg.strategy.path == str(tmp_path / "plan.json")
+
+
+def test_remat_plan_does_not_overwrite_a_plan_a_run_may_train_with(tmp_path):
+    """A second ``remat.plan`` with a budget into a folder that holds a ``plan.json`` stops
+    before planning and leaves the file as it was (a strategy=plan run replays that path)."""
+    from remat.planner import PlanInputError
+
+    (tmp_path / "plan.json").write_text('{"units": []}')
+    with pytest.raises(PlanInputError, match="plan.json exists: a run may train with it"):
+        plan_run(compose_app("plan", tmp_path, ["memory=1GiB"]))
+    assert (tmp_path / "plan.json").read_text() == '{"units": []}'

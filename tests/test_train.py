@@ -285,6 +285,7 @@ def test_sigterm_before_the_trainer_starts_writes_an_interrupted_summary(tmp_pat
     assert stopped.value.code == 143
     summary = _summary(tmp_path)
     assert summary["status"] == "interrupted" and summary["strategy_report"] is None
+    assert summary["signal"] == "SIGTERM" and summary["error"] == "stopped by SIGTERM"
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
 
 

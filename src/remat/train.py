@@ -152,6 +152,8 @@ def _sigterm_raises() -> Iterator[None]:
         return
 
     def raise_sigterm(signum: int, frame: Any) -> None:
+        log.warning("received SIGTERM before training started: stopping (no checkpoint, "
+                    "nothing was trained)")
         raise SIGTERMException
 
     previous = signal.signal(signal.SIGTERM, raise_sigterm)

@@ -133,7 +133,7 @@ def failure_summary(cfg: DictConfig, err: BaseException) -> dict[str, Any]:
         shape = shape_of(cfg.get("data"), cfg.get("model"))
     except Exception:  # noqa: BLE001 - the shape is only reported here
         shape = shape_of(None)
-    return {
+    summary = {
         "status": status_of(err), "task_name": _safe(cfg, "task_name"), "strategy": strategy,
         "precision": str(_safe(cfg, "precision")),
         "accumulate_grad_batches": _safe(cfg, "accumulate_grad_batches"),
@@ -141,6 +141,10 @@ def failure_summary(cfg: DictConfig, err: BaseException) -> dict[str, Any]:
         "torch_version": torch.__version__, "lightning_version": L.__version__,
         "error": error_text(err), "strategy_report": None,
     }
+    if summary["status"] == "interrupted":  # as a run stopped while training says it
+        summary["signal"] = "SIGINT" if isinstance(err, KeyboardInterrupt) else "SIGTERM"
+        summary["error"] = f"stopped by {summary['signal']}"
+    return summary
 
 
 def _plan_of(pl_module: Any, memory: Any) -> dict[str, Any] | None:

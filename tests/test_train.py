@@ -316,3 +316,4 @@ def test_resume_from_an_epoch_end_with_another_batch_size_starts_the_next_epoch(
     resumed = train(compose_train(tmp_path, [*base, f"data.batch_size={after}",
                                              "trainer.max_epochs=2", "ckpt_path=last"]))
     assert resumed["global_step"] == steps
+    assert resumed["resumed_from"] == str(tmp_path / "checkpoints" / "last.ckpt")  # not "last"

@@ -11,7 +11,6 @@ loader state for resuming (:class:`~remat.callbacks.ResumeState`), the monitor c
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import signal
@@ -33,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from remat import run_shape
 from remat.callbacks import LastCheckpoint, RunSummary, failure_summary, write_json
 from remat.callbacks.run_dir import run_dir_claimed
+from remat.callbacks.summary import read_summary
 from remat.config import check_top_level, config_dir
 from remat.models.checks import (
     check_checkpoint_fits,
@@ -168,11 +168,8 @@ def _record_failure(path: Path, failure: dict[str, Any]) -> None:
     where the folder already holds an earlier run's summary (a resume that failed: bad
     config, infeasible budget, plan mismatch), keep that record and note the attempt under
     ``last_attempt`` (status, error, time), so the trained run's numbers are not lost."""
-    try:
-        earlier = json.loads(path.read_text())
-    except (OSError, ValueError):
-        earlier = None
-    if not isinstance(earlier, dict) or earlier.get("global_step") is None:
+    earlier = read_summary(path)
+    if earlier is None or earlier.get("global_step") is None:
         write_json(path, failure)
         return
     earlier["last_attempt"] = {"status": failure["status"], "error": failure["error"],

@@ -68,6 +68,16 @@ def _bytes(keys: dict) -> int:
     return sum(keys.values())
 
 
+def _segment_inputs(blocks: Sequence[Block], start: int, end: int) -> dict:
+    """Storage key -> bytes of what blocks ``[start, end)`` read from outside them."""
+    produced: dict = {}
+    inputs: dict = {}
+    for b in blocks[start:end]:
+        inputs.update({k: v for k, v in b.inputs.items() if k not in produced})
+        produced.update(b.outputs)
+    return inputs
+
+
 def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
                  ) -> tuple[dict, int, float, int]:
     """``(kept storages, transient bytes, time, FLOPs)`` of one segment in ``mode``.
@@ -81,11 +91,7 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
         raise ValueError(f"planner: mode {mode!r} is per block, got blocks [{start}, {end})")
     if mode == "keep":
         return dict(blocks[start].saved), 0, 0.0, 0
-    produced: dict = {}
-    inputs: dict = {}
-    for b in blocks[start:end]:
-        inputs.update({k: v for k, v in b.inputs.items() if k not in produced})
-        produced.update(b.outputs)
+    inputs = _segment_inputs(blocks, start, end)
     if mode == "selective":
         b = blocks[start]
         kept = inputs | b.selective_saved
@@ -104,11 +110,7 @@ def replayable(blocks: Sequence[Block], start: int, end: int, mode: str) -> bool
     would start from the overwritten values (remat's recompute refuses it)."""
     if mode == "keep":
         return True
-    produced: dict = {}
-    inputs: dict = {}
-    for b in blocks[start:end]:
-        inputs.update({k: v for k, v in b.inputs.items() if k not in produced})
-        produced.update(b.outputs)
+    inputs = _segment_inputs(blocks, start, end)
     return not any(k in inputs for b in blocks[start:end] for k in b.mutated)
 
 
@@ -361,7 +363,7 @@ def describe(option: Option) -> str:
 def to_block(cost: Any, objective: str = "time") -> Block:
     """A :class:`Block` from a :class:`~remat.planner.profile.BlockCost`; with
     ``objective="flops"`` its ``time`` fields hold FLOPs (the search minimises those)."""
-    mutated = dict(getattr(cost, "mutated", {}))
+    mutated = dict(cost.mutated)
     if objective == "flops":
         return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs,
                      float(cost.flops), cost.flops, float(cost.selective_flops),

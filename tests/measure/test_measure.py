@@ -97,11 +97,46 @@ def test_memory_monitor_measures_again_after_a_resume_and_keeps_the_record():
     assert after.measured()["previous_runs"] == [{"peak_bytes": 300, "optimizer_steps": [1, 2]}]
 
 
-@pytest.mark.parametrize("strategy,adam", [("none", True), ("sqrtn", False)])
-def test_peak_and_split_equal_the_stock_memtracker(strategy, adam):
+class StorageCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of live tensor storages, counted the plainest way: what is held at the start
+    (``tensors``), then every operator's outputs, each storage until it is freed (a
+    ``weakref.finalize`` on it); no module or autograd hooks. ``peak`` after the block."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.live, self.current = {}, 0
+        for t in tensors:
+            self._add(t)
+        self.peak = self.current
+
+    def _free(self, key):
+        self.current -= self.live.pop(key)
+
+    def _add(self, t):
+        import weakref
+
+        st = t.untyped_storage()
+        if st._cdata not in self.live:
+            self.live[st._cdata] = st.nbytes()
+            self.current += st.nbytes()
+            weakref.finalize(st, self._free, st._cdata)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+@pytest.mark.parametrize("strategy,adam", [("none", True), ("sqrtn", False), ("every_k", False)])
+def test_peak_is_the_plain_storage_count_and_the_split_the_stock_memtracker(strategy, adam):
     """PeakMemory keeps only MemTracker's global peak (not every module's own, which costs
-    O(operators x modules)); on a training step with checkpointed stages, backward and an
-    optimizer step that peak and its split are the stock tracker's, byte for byte."""
+    O(operators x modules)) and puts no hooks on modules, whose multi-grad hooks keep some
+    tensors alive longer than a plain run does. On a training step with checkpointed
+    stages, backward and an optimizer step its peak is the plain storage count's, byte
+    for byte; without recompute its split is the stock tracker's too."""
     import segmentation_models_pytorch as smp
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -111,16 +146,19 @@ def test_peak_and_split_equal_the_stock_memtracker(strategy, adam):
         torch.manual_seed(0)
         model = smp.Unet("resnet18", encoder_weights=None, classes=1,
                          decoder_channels=(16, 16, 8, 8, 8))
-        build_strategy(strategy).apply(model, ["encoder.layer*"])
+        build_strategy(strategy).apply(model, ["encoder.layer*", "decoder.blocks"])
         optimizer = (torch.optim.Adam(model.parameters()) if adam
                      else torch.optim.SGD(model.parameters(), lr=0.1))
-        x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
         model(x).square().mean().backward()
         optimizer.step()
         # the tracked second step holds Adam's state and the first step's gradients
         with track(model, optimizer) as tracker:
-            model(x).square().mean().backward()
+            out = model(x).square().mean()
+            optimizer.zero_grad(set_to_none=True)  # Lightning's order: after the forward
+            out.backward()
             optimizer.step()
+            del out
         return tracker
 
     def stock(model, optimizer):
@@ -128,13 +166,24 @@ def test_peak_and_split_equal_the_stock_memtracker(strategy, adam):
         tracker.track_external(model, optimizer)
         return tracker
 
+    def plain(model, optimizer):
+        held = [*model.parameters(), *model.buffers(),
+                *(p.grad for p in model.parameters() if p.grad is not None),
+                *(v for state in optimizer.state.values() for v in state.values()
+                  if isinstance(v, torch.Tensor))]
+        return StorageCount(held)
+
     ours = step(lambda model, optimizer: PeakMemory("cpu", modules=[model],
                                                     optimizers=[optimizer]))
+    assert ours.peak_bytes == step(plain).peak > 0
     theirs = step(stock)
     want = {str(getattr(k, "value", k)): int(v)
             for per_device in theirs.get_tracker_snapshot("peak").values()
             for k, v in per_device.items()}
-    assert ours.breakdown == want
-    assert ours.peak_bytes == want["Total"] > 0
+    assert ours.peak_bytes <= want["Total"]
+    if strategy == "none":
+        assert ours.breakdown == want
+    assert ours.breakdown["Parameter"] == want["Parameter"]
+    assert ours.breakdown["Gradient"] > 0  # filed as gradients without module hooks
     # Adam: the peak is in the optimizer step; plain SGD: in forward/backward
-    assert want["Optstate" if adam else "Activation"] > 0
+    assert ours.breakdown["Optstate" if adam else "Activation"] > 0

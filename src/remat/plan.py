@@ -117,11 +117,12 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
     it plans again and logs why. The network's fingerprint is checked when the plan is
     applied: a checkpoint of another network does not fit the model either. Lightning's
     names (``ckpt_path=last``, ...) are resolved by :func:`remat.train.train` first where
-    it can; ``ckpt=None`` plans as without a checkpoint.
+    it can; ``ckpt=None`` plans as without a checkpoint. A replayed plan taken from the
+    checkpoint (:func:`resumed_replay`) gets the same run-shape check, naming the checkpoint.
 
     Raises:
         remat.planner.PlanMismatch: a replayed plan made for another batch size, input size
-            or precision (naming ``strategy.path`` and the key).
+            or precision (naming ``strategy.path``, or the checkpoint, and the key).
         remat.planner.InfeasibleBudget: the budget cannot be met.
     """
     if isinstance(strategy, BudgetStrategy):
@@ -139,16 +140,64 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
                                     world_size=sharding.world_size,
                                     reshard_after_forward=sharding.reshard_after_forward)
     if isinstance(strategy, PlanStrategy):
-        check_plan_fits(strategy.plan, cfg, strategy.path)
-        warn_if_other_device(strategy.plan, cfg, strategy.path)
+        where = strategy.origin if strategy.resumed else None
+        check_plan_fits(strategy.plan, cfg, strategy.path, where)
+        warn_if_other_device(strategy.plan, cfg, strategy.path, where)
     return strategy
 
 
-def warn_if_other_device(plan: Plan, cfg: DictConfig, path: str | None) -> str | None:
+def resumed_replay(cfg: DictConfig, ckpt: dict[str, Any] | None,
+                   ckpt_path: Any) -> PlanStrategy | None:
+    """Resuming a ``strategy=plan`` run, the plan saved in its checkpoint, as the strategy
+    to train with; call it before ``cfg.strategy`` is instantiated (which reads the file).
+
+    The checkpoint is the source of truth: the file at ``strategy.path`` may have been
+    re-planned, replaced or removed since. An INFO line says the checkpoint's plan is used
+    and what became of the file; a WARNING names ``strategy.path`` when it no longer holds
+    that plan (train with the file's plan in a new run). None, so that the file is read as
+    without a checkpoint, for another strategy, no ``ckpt``, a checkpoint without a usable
+    plan (older ones, with an INFO line) and one whose plan was planned for a budget (the
+    run switched from ``strategy=budget`` to this file, as to any other strategy).
+    """
+    from hydra.utils import get_class
+
+    path = OmegaConf.select(cfg, "strategy.path")
+    if ckpt is None or path is None or not issubclass(
+            get_class(str(cfg.strategy._target_)), PlanStrategy):
+        return None
+    where = f"ckpt_path={ckpt_path}"
+    saved = _read_saved_plan(ckpt, where)
+    if isinstance(saved, str):
+        log.info("strategy=plan: %s; reading strategy.path=%r", saved, path)
+        return None
+    plan, request = saved
+    if request is not None:
+        log.info("strategy=plan: the plan saved in %s was planned for a budget "
+                 "(strategy=budget); training with strategy.path=%r as asked", where, path)
+        return None
+    try:
+        differs = Plan.load(path).to_dict() != plan.to_dict()
+        now = "holds another plan than it trained with" if differs else "holds the same plan"
+    except FileNotFoundError:
+        differs, now = False, "is gone (no such file)"
+    except ValueError as err:
+        differs, now = True, f"no longer holds a plan ({err})"
+    log.info("strategy=plan: resuming with the plan saved in %s, the one this run trained "
+             "with (strategy.path=%r %s)\n%s", where, path, now, plan.summary())
+    if differs:
+        log.warning("strategy.path=%r %s: resuming with the plan saved in %s, not the file's; "
+                    "to train with the file's plan, start a new run (without ckpt_path)",
+                    path, now, where)
+    return PlanStrategy(plan, origin=f"the plan saved in {where}", resumed=True)
+
+
+def warn_if_other_device(plan: Plan, cfg: DictConfig, path: str | None,
+                         where: str | None = None) -> str | None:
     """Log a warning when ``plan`` was made for another device kind than the one this run
     trains on (``trainer.accelerator``, :func:`remat.planner.devices.present_device_name`):
     its predicted peak and step time hold on the planned device only. A plan without a
-    device, or made for this one, is silent. Returns the warning (None if none)."""
+    device, or made for this one, is silent. ``where`` names the plan instead of
+    ``strategy.path`` (a checkpoint's). Returns the warning (None if none)."""
     planned = str(plan.device or "").strip().lower().replace("-", "_")
     if not planned:
         return None
@@ -160,7 +209,8 @@ def warn_if_other_device(plan: Plan, cfg: DictConfig, path: str | None) -> str |
              f"device={present})" if present in known_devices() else
              "strategy=budget strategy.device={name: ..., memory_bytes: ..., fp32_flops: ..., "
              "bf16_flops: ..., bandwidth: ...} (this device is not in the device table)")
-    message = (f"strategy.path={path!r}: the plan was made for device {plan.device}, this run "
+    message = (f"{where or f'strategy.path={path!r}'}: the plan was made for device "
+               f"{plan.device}, this run "
                f"trains on {present}; its predicted peak "
                f"({format_bytes(plan.predicted_allocator_peak_bytes)}) holds on "
                f"{plan.device} only. Plan again for this device: {again}")
@@ -173,25 +223,13 @@ def _saved_plan(cfg: DictConfig, strategy: BudgetStrategy, ckpt: dict[str, Any],
                 reshard_after_forward: bool) -> PlanStrategy | None:
     """The plan saved in ``ckpt`` as a strategy, if it answers ``strategy``'s request for
     this run; else None, with an INFO line saying why it is planned again."""
-    from remat.models.base import STRATEGY_STATE_KEY
-
     where = f"ckpt_path={ckpt_path}"
-    saved = ckpt.get(STRATEGY_STATE_KEY)
-    if not isinstance(saved, dict) or "plan" not in saved:
-        log.info("strategy=budget: %s holds no plan (written before checkpoints kept their "
-                 "plan, or by a run under another strategy); planning again", where)
+    saved = _read_saved_plan(ckpt, where)
+    if isinstance(saved, str):
+        log.info("strategy=budget: %s; planning again", saved)
         return None
-    if saved.get("version") != SAVED_STATE_VERSION:
-        log.info("strategy=budget: %s holds a saved plan of version %r, this remat reads "
-                 "version %d; planning again", where, saved.get("version"),
-                 SAVED_STATE_VERSION)
-        return None
-    try:
-        plan = Plan.from_dict(saved["plan"], f"the plan saved in {where}")
-    except ValueError as err:
-        log.info("strategy=budget: %s; planning again", err)
-        return None
-    differ = strategy.differences(saved.get("request"), default_stages, reshard_after_forward)
+    plan, request = saved
+    differ = strategy.differences(request, default_stages, reshard_after_forward)
     differ += [f"{key}: {planned} -> {running}"
                for key, planned, running in plan_mismatches(plan, cfg)]
     if differ:
@@ -203,8 +241,27 @@ def _saved_plan(cfg: DictConfig, strategy: BudgetStrategy, ckpt: dict[str, Any],
              format_bytes(plan.budget_bytes), plan.device,
              format_bytes(plan.predicted_allocator_peak_bytes), plan.predicted_overhead,
              plan.summary())
-    return PlanStrategy(plan, origin=f"the plan saved in {where}", request=saved["request"],
+    return PlanStrategy(plan, origin=f"the plan saved in {where}", request=request,
                         resumed=True)
+
+
+def _read_saved_plan(ckpt: dict[str, Any], where: str) -> tuple[Plan, dict | None] | str:
+    """``(plan, request)`` saved in ``ckpt`` (:meth:`~remat.planner.PlanStrategy.
+    state_for_checkpoint`; ``request``: the budget's, None for a replayed file), or why there
+    is none to use: no plan, another record version, or a malformed plan (naming ``where``)."""
+    from remat.models.base import STRATEGY_STATE_KEY
+
+    saved = ckpt.get(STRATEGY_STATE_KEY)
+    if not isinstance(saved, dict) or "plan" not in saved:
+        return (f"{where} holds no plan (written before checkpoints kept their plan, or by a "
+                "run under another strategy)")
+    if saved.get("version") != SAVED_STATE_VERSION:
+        return (f"{where} holds a saved plan of version {saved.get('version')!r}, this remat "
+                f"reads version {SAVED_STATE_VERSION}")
+    try:
+        return Plan.from_dict(saved["plan"], f"the plan saved in {where}"), saved.get("request")
+    except ValueError as err:
+        return str(err)
 
 
 def plan_mismatches(plan: Plan, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
@@ -224,20 +281,25 @@ def plan_mismatches(plan: Plan, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
             if planned and running is not None and planned != running]
 
 
-def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None) -> None:
+def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None,
+                    where: str | None = None) -> None:
     """Raise if ``plan`` was made for another run shape than ``cfg``'s
-    (:func:`plan_mismatches`).
+    (:func:`plan_mismatches`). ``where`` names the plan instead of ``strategy.path`` (the
+    plan saved in the checkpoint a run resumes).
 
     Raises:
-        remat.planner.PlanMismatch: (a ``ValueError``) names ``strategy.path``, the key, the
-            plan's and the run's values.
+        remat.planner.PlanMismatch: (a ``ValueError``) names ``strategy.path`` (or
+            ``where``), the key, the plan's and the run's values.
     """
     mismatches = plan_mismatches(plan, cfg)
     if mismatches:
         key, planned, running = mismatches[0]
-        raise PlanMismatch(f"strategy.path={path!r}: the plan was made for {key}={planned}, "
-                           f"this run has {key}={running}; plan again for this run "
-                           f"(python -m remat.plan ... {key}={running}) or set {key} back")
+        todo = (f"set {key} back (a resumed run trains on with the plan it trained with; "
+                "for another plan start a new run)" if where else
+                f"plan again for this run (python -m remat.plan ... {key}={running}) or set "
+                f"{key} back")
+        raise PlanMismatch(f"{where or f'strategy.path={path!r}'}: the plan was made for "
+                           f"{key}={planned}, this run has {key}={running}; {todo}")
 
 
 def _fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:

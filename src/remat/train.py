@@ -95,11 +95,13 @@ def _strategy(cfg: DictConfig, ckpt: dict[str, Any] | None = None,
               ckpt_path: Any = None) -> Any:
     """``cfg.strategy`` instantiated; a memory budget (``strategy=budget``) is planned here,
     before the model is built, or, resuming, takes the plan saved in ``ckpt`` where that
-    plan answers the same budget for the same run; a replayed plan is checked against the
-    run (:func:`remat.plan.plan_for_run`)."""
-    from remat.plan import plan_for_run
+    plan answers the same budget for the same run; a replayed plan (``strategy=plan``) is
+    resumed with the plan saved in ``ckpt``, not the file (:func:`remat.plan.resumed_replay`),
+    and checked against the run (:func:`remat.plan.plan_for_run`)."""
+    from remat.plan import plan_for_run, resumed_replay
 
-    return plan_for_run(cfg, instantiate(cfg.strategy), ckpt, ckpt_path)
+    strategy = resumed_replay(cfg, ckpt, ckpt_path) or instantiate(cfg.strategy)
+    return plan_for_run(cfg, strategy, ckpt, ckpt_path)
 
 
 _LAST = re.compile(r"^last(-\d+)?\.ckpt$")  # Lightning's last checkpoints (ModelCheckpoint)

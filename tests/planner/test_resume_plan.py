@@ -1,6 +1,7 @@
 """A ``strategy=budget`` run resumed from its checkpoint trains on with the plan it trained
 with (saved in every checkpoint) instead of planning again; another budget or run shape, or
-a checkpoint from before plans were kept, plans again and says why."""
+a checkpoint from before plans were kept, plans again and says why. A ``strategy=plan`` run
+resumed trains on with the checkpoint's plan, whatever became of the file it replayed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from remat.models.base import STRATEGY_STATE_KEY
-from remat.planner import Plan
+from remat.planner import Plan, PlanMismatch, UnitPlan
 from remat.train import train
 from tests.helpers import TINY_TRAINER, compose_train
 
@@ -21,12 +22,16 @@ from tests.helpers import TINY_TRAINER, compose_train
 BUDGET = "36MiB"
 
 
-def gpt(root, memory: str = BUDGET) -> list[str]:
+def tiny_gpt(root) -> list[str]:
     return ["model=gpt_tiny", "data=tinyshakespeare", f"data.root={root}",
             "data.block_size=128", "data.batch_size=8", "data.train_windows=32",
             "data.val_windows=2", "model.sample_tokens=4", "monitor=val/loss",
-            "monitor_mode=min", "strategy=budget", f"strategy.memory={memory}",
-            "strategy.device=cpu", "strategy.max_traces=2", *TINY_TRAINER]
+            "monitor_mode=min", *TINY_TRAINER]
+
+
+def gpt(root, memory: str = BUDGET) -> list[str]:
+    return [*tiny_gpt(root), "strategy=budget", f"strategy.memory={memory}",
+            "strategy.device=cpu", "strategy.max_traces=2"]
 
 
 def resume(ckpt, steps: int) -> list[str]:
@@ -141,3 +146,123 @@ def test_resume_of_another_network_fails_naming_the_checkpoint(tmp_path, first,
                                         r"another network .*trained with that network"):
         train(compose_train(tmp_path, [*gpt(shakespeare_root), "model.n_embd=32",
                                        *resume(ckpt, 3)]))
+
+
+# strategy=plan: two hand-written plans for gpt_tiny's 4 blocks at the run shape of tiny_gpt
+# (batch 8, 128 tokens, fp32), so the run-shape check applies to them
+def blocks_plan(*segments: tuple[int, int, str]) -> Plan:
+    return Plan([UnitPlan("blocks", "chain", list(segments))], model="GPT", batch_size=8,
+                size=128, precision="32-true", device="cpu")
+
+
+TRAINED = blocks_plan((0, 2, "recompute"), (2, 4, "keep"))  # what the first part trains with
+OTHER = blocks_plan((0, 1, "keep"), (1, 4, "recompute"))  # what the file holds later
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory, shakespeare_root):
+    """The first part of a strategy=plan run: plan/plan.json replayed, 2 of 4 steps."""
+    root = tmp_path_factory.mktemp("replayed")
+    TRAINED.save((root / "plan").mkdir() or root / "plan" / "plan.json")
+    summary = train(compose_train(root / "run", [*tiny_gpt(shakespeare_root), "strategy=plan",
+                                                 f"strategy.path={root}/plan/plan.json",
+                                                 "trainer.max_steps=2"]))
+    assert summary["global_step"] == 2
+    assert summary["strategy_report"]["segments"] == {"blocks": [[0, 2]]}
+    return root
+
+
+def resume_replay(tmp_path, replayed, shakespeare_root, caplog, change, ckpt=None,
+                  extra=()):
+    """Copy the first part, ``change(plan_file)``, resume it to 4 steps with the same
+    ``strategy.path``; the summary, the checkpoint resumed and remat's warnings."""
+    shutil.copytree(replayed, tmp_path / "copy")
+    plan_file = tmp_path / "copy" / "plan" / "plan.json"
+    change(plan_file)
+    run_dir = tmp_path / "copy" / "run"
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with caplog.at_level("INFO", logger="remat"):
+        summary = train(compose_train(run_dir, [
+            *tiny_gpt(shakespeare_root), "strategy=plan", f"strategy.path={plan_file}",
+            *resume(ckpt or last, 4), *extra]))
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelname == "WARNING" and r.name.startswith("remat")]
+    return summary, last, plan_file, warnings
+
+
+def trained_on_with_the_checkpoints_plan(summary, last):
+    assert summary["status"] == "completed" and summary["global_step"] == 4
+    assert plain(summary["plan"]) == TRAINED.to_dict()
+    assert summary["plan"]["origin"] == f"the plan saved in ckpt_path={last}"
+    assert summary["strategy_report"]["segments"] == {"blocks": [[0, 2]]}  # applied
+    assert summary["strategy_report"]["wrapped"] == ["blocks.0", "blocks.1"]
+    # the resumed run's checkpoint keeps that plan for the next resume
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == 4
+    assert saved[STRATEGY_STATE_KEY]["plan"] == TRAINED.to_dict()
+
+
+def test_replayed_plan_resumes_with_the_checkpoints_plan_when_the_file_changed(
+        tmp_path, replayed, shakespeare_root, caplog):
+    """The user planned again into the same folder: the run goes on as it trained."""
+    summary, last, plan_file, warnings = resume_replay(
+        tmp_path, replayed, shakespeare_root, caplog, OTHER.save)
+    trained_on_with_the_checkpoints_plan(summary, last)
+    assert warnings == [
+        f"strategy.path={str(plan_file)!r} holds another plan than it trained with: resuming "
+        f"with the plan saved in ckpt_path={last}, not the file's; to train with the file's "
+        "plan, start a new run (without ckpt_path)"]
+    assert (f"strategy=plan: resuming with the plan saved in ckpt_path={last}, the one this "
+            "run trained with" in caplog.text)
+    assert Plan.load(plan_file) == OTHER  # the file is left as the user wrote it
+
+
+def test_replayed_plan_resumes_when_the_file_is_gone(tmp_path, replayed, shakespeare_root,
+                                                     caplog):
+    summary, last, plan_file, warnings = resume_replay(
+        tmp_path, replayed, shakespeare_root, caplog, lambda path: path.unlink(),
+        ckpt="last")
+    trained_on_with_the_checkpoints_plan(summary, last)
+    assert warnings == []
+    assert f"(strategy.path={str(plan_file)!r} is gone (no such file))" in caplog.text
+
+
+def test_replayed_plan_resumes_quietly_when_the_file_is_unchanged(tmp_path, replayed,
+                                                                  shakespeare_root, caplog):
+    summary, last, plan_file, warnings = resume_replay(
+        tmp_path, replayed, shakespeare_root, caplog, lambda path: None)
+    trained_on_with_the_checkpoints_plan(summary, last)
+    assert warnings == []
+    assert f"(strategy.path={str(plan_file)!r} holds the same plan)" in caplog.text
+
+
+def test_replayed_plan_from_the_checkpoint_is_checked_against_the_run(
+        tmp_path, replayed, shakespeare_root, caplog):
+    """Another batch size than the checkpoint's plan was made for: one-line error naming
+    the checkpoint, before anything trains (the file, gone, is not what is checked)."""
+    last = tmp_path / "copy" / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(PlanMismatch) as raised:
+        resume_replay(tmp_path, replayed, shakespeare_root, caplog,
+                      lambda path: path.unlink(), extra=["data.batch_size=4"])
+    assert str(raised.value) == (
+        f"the plan saved in ckpt_path={last}: the plan was made for data.batch_size=8, this "
+        "run has data.batch_size=4; set data.batch_size back (a resumed run trains on with "
+        "the plan it trained with; for another plan start a new run)")
+
+
+def test_replay_from_a_checkpoint_without_a_plan_reads_the_file(tmp_path, replayed,
+                                                                shakespeare_root, caplog):
+    """Checkpoints from before plans were kept: the file is read, as it was."""
+    def older_checkpoint_and_other_plan(plan_file):
+        last = plan_file.parent.parent / "run" / "checkpoints" / "last.ckpt"
+        old = torch.load(last, weights_only=True)
+        del old[STRATEGY_STATE_KEY]
+        torch.save(old, last)
+        OTHER.save(plan_file)
+
+    summary, last, plan_file, warnings = resume_replay(
+        tmp_path, replayed, shakespeare_root, caplog, older_checkpoint_and_other_plan)
+    assert summary["global_step"] == 4 and plain(summary["plan"]) == OTHER.to_dict()
+    assert summary["plan"]["origin"] == f"strategy.path={str(plan_file)!r}"
+    assert summary["strategy_report"]["segments"] == {"blocks": [[1, 4]]}
+    assert f"ckpt_path={last} holds no plan" in caplog.text and warnings == []

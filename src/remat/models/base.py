@@ -134,7 +134,9 @@ class StrategyModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the strategy's record (a plan, with what it was planned for) in every
         checkpoint, under :data:`STRATEGY_STATE_KEY`: a run resumed with ``strategy=budget``
-        trains on with that plan instead of planning again (:func:`remat.plan.plan_for_run`)."""
+        trains on with that plan instead of planning again (:func:`remat.plan.plan_for_run`),
+        one resumed with ``strategy=plan`` instead of reading ``strategy.path`` again
+        (:func:`remat.plan.resumed_replay`)."""
         state = self.strategy.state_for_checkpoint()
         if state is not None:
             checkpoint[STRATEGY_STATE_KEY] = state

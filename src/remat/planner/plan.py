@@ -184,7 +184,8 @@ class PlanStrategy(RecomputeStrategy):
     the same mechanism (:mod:`remat.strategies.recompute`).
 
     Every training checkpoint keeps the plan (:meth:`state_for_checkpoint`), so a run
-    resumed with ``strategy=budget`` trains on with it instead of planning again.
+    resumed with ``strategy=budget`` trains on with it instead of planning again, and one
+    resumed with ``strategy=plan`` with it instead of the file at ``strategy.path``.
 
     Args:
         plan: a :class:`Plan`, its dict form, or ``None`` with ``path``.

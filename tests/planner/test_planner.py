@@ -187,7 +187,9 @@ def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(gpt_long,
     every = planner()
     every_plan, every_floor = every.floor()
     assert candidates.keys() <= every.cache.keys()
-    assert len(candidates) == 3 and len(traced) == 2  # block by block, by 2 (= sqrt(4))
+    # traced: offloaded block by block (h100 has a host link), block by block, by 2 (= sqrt(4))
+    assert len(candidates) == 4 and len(traced) == 3
+    assert "offload" in plan.summary()  # the floor moves the blocks' inputs to host memory
     for key in candidates.keys() - traced:  # one segment: modelled above 2x, traced above
         assert skipping.modelled(candidates[key]) > 2 * floor.allocator_peak
         assert every.cache[key].allocator_peak > floor.allocator_peak
@@ -203,6 +205,51 @@ def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(gpt_long,
     with pytest.raises(InfeasibleBudget, match=re.escape(
             f"smallest peak any plan reaches is {format_bytes(every_floor.allocator_peak)} ")):
         skipping.plan(int(floor.allocator_peak * 0.97))
+
+
+def test_offload_lowers_the_floor_for_a_gpu_and_keeps_the_function(gpt_long):
+    """Planning for a GPU with a host link (h100), offload segments keep their inputs in
+    host memory: the traced floor is below recomputing block by block, a budget between
+    the two gets a plan with offload that fits as traced, and that plan (its copies made
+    on this CPU as a GPU run makes them) gives none's gradients."""
+    build, batch, size = gpt_long
+    planner = Planner(build, batch, size, "32-true", device="h100", max_traces=3,
+                      default_stages=["blocks"])
+    floor_plan, floor = planner.floor()
+    by_block = next(c for c in planner.floor_candidates()
+                    if c.summary() == "blocks: recompute 0, recompute 1, recompute 2, "
+                                      "recompute 3")
+    recomputed = planner.trace(PlanStrategy(by_block))
+    assert "offload" in floor_plan.summary()
+    assert floor.allocator_peak < recomputed.allocator_peak
+    assert floor.step_flops == recomputed.step_flops  # the same recompute
+    budget = planner.budget_for(floor.allocator_peak)
+    assert budget < planner.budget_for(recomputed.allocator_peak)
+    plan = planner.plan(budget).plan
+    assert "offload" in plan.summary()
+    assert plan.predicted_allocator_peak_bytes <= budget - plan.margin_bytes
+    assert Plan.from_dict(plan.to_dict()).to_dict() == plan.to_dict()
+
+    ref, model = build(NoCheckpoint()), build(PlanStrategy(plan))
+    model.load_state_dict(ref.state_dict())
+    model_strategy = model.strategy
+    model_strategy._offload._copy_host_tensors = True  # copy on this CPU as on a GPU
+    results = []
+    for m in (ref, model):
+        m.train()
+        torch.manual_seed(5)  # the same dropout masks
+        m.training_loss(m.example_batch(batch, size)).backward()
+        results.append(gradients_of(m))
+    assert compare_gradients(results[0], results[1]).match
+
+
+def test_meta_host_is_for_fake_traces_only():
+    from remat.strategies.offload import HostOffload
+
+    with pytest.raises(ValueError, match="fake traces only"):
+        HostOffload(False, host="meta").pack(torch.randn(4, requires_grad=True) * 2)
+    with pytest.raises(ValueError, match="host must be 'cpu' or 'meta'"):
+        HostOffload(False, host="cuda")
 
 
 def test_first_plan_is_traced_beside_the_fixed_strategies_modelled_cheaper(gpt_long,

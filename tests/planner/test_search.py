@@ -17,10 +17,11 @@ from remat.planner.search import (
 )
 
 
-def random_chain(rng: random.Random, n: int) -> list[Block]:
+def random_chain(rng: random.Random, n: int, host: float = 0.0) -> list[Block]:
     """A chain whose block i reads block i-1's output (storage 100+i-1), saves it and some
     internals, sometimes saves its own output (as a ReLU does), and sometimes reads a
-    shared input (storage 0, a skip) that an outside op saves."""
+    shared input (storage 0, a skip) that an outside op saves. ``host``: seconds per byte
+    over the host link (0: none, no offload)."""
     blocks = []
     for i in range(n):
         inp = {100 + i - 1: rng.randint(1, 50)} if i else {99: rng.randint(1, 50)}
@@ -34,12 +35,13 @@ def random_chain(rng: random.Random, n: int) -> list[Block]:
         sel = {k: v for k, v in saved.items() if k >= 1000 and rng.random() < 0.5}
         t = rng.uniform(0.1, 5)
         blocks.append(Block(saved, sel, inp, out, t, int(t * 100), t * rng.uniform(0, 0.5),
-                            int(t * 10)))
+                            int(t * 10), host_seconds_per_byte=host))
     return blocks
 
 
-def all_plans(n: int):
-    """Every partition of range(n) into segments, each with every mode it allows."""
+def all_plans(n: int, offload: bool = False):
+    """Every partition of range(n) into segments, each with every mode it allows
+    (``offload`` too where the device has a host link)."""
     for cuts in itertools.product([False, True], repeat=n - 1):
         bounds, start = [], 0
         for i, cut in enumerate(cuts, start=1):
@@ -47,19 +49,21 @@ def all_plans(n: int):
                 bounds.append((start, i))
                 start = i
         bounds.append((start, n))
-        choices = [["recompute"] + (["keep", "selective"] if e - s == 1 else [])
-                   for s, e in bounds]
+        choices = [["recompute"] + (["offload"] if offload else [])
+                   + (["keep", "selective"] if e - s == 1 else []) for s, e in bounds]
         for modes in itertools.product(*choices):
             yield [(s, e, m) for (s, e), m in zip(bounds, modes, strict=True)]
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_chain_dp_matches_brute_force(seed):
+    """Seeds 6-11 plan for a device with a host link: offload segments too."""
     rng = random.Random(seed)
     n = rng.randint(1, 6)
-    blocks = random_chain(rng, n)
+    host = rng.uniform(0.001, 0.05) if seed >= 6 else 0.0
+    blocks = random_chain(rng, n, host)
     free = {0: 40}
-    brute = [evaluate_chain(blocks, plan, free) for plan in all_plans(n)]
+    brute = [evaluate_chain(blocks, plan, free) for plan in all_plans(n, host > 0)]
     caps = sorted({o.transient for o in brute})
     for cap in [*caps, None]:
         front = chain_frontier(blocks, cap, free)
@@ -133,7 +137,23 @@ def test_evaluate_chain_refuses_bad_segments():
     with pytest.raises(ValueError, match="per block"):
         evaluate_chain(blocks, [(0, 2, "keep"), (2, 3, "keep")])
     with pytest.raises(ValueError, match="unknown mode"):
+        evaluate_chain(blocks, [(0, 3, "swap")])
+    with pytest.raises(ValueError, match="needs a device with a host link"):
         evaluate_chain(blocks, [(0, 3, "offload")])
+
+
+def test_offload_keeps_nothing_on_the_device_and_pays_the_copies():
+    """An offload segment keeps none of its inputs on the device, brings them back for its
+    recompute (transient) and pays two copies of them over the host link."""
+    blocks = random_chain(random.Random(3), 3, host=0.01)
+    rec = evaluate_chain(blocks, [(0, 1, "keep"), (1, 3, "recompute")])
+    off = evaluate_chain(blocks, [(0, 1, "keep"), (1, 3, "offload")])
+    inputs = sum(v for k, v in blocks[1].inputs.items() if k not in blocks[0].saved)
+    internal = {k: v for b in blocks[1:] for k, v in b.saved.items()}
+    assert off.kept == rec.kept - inputs
+    assert off.transient == sum((internal | blocks[1].inputs).values())
+    assert off.time == pytest.approx(rec.time + 2 * sum(blocks[1].inputs.values()) * 0.01)
+    assert off.flops == rec.flops
 
 
 def test_segments_that_write_their_own_input_in_place_are_never_replayed():

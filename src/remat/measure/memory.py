@@ -100,7 +100,8 @@ def _global_peak_tracker_class() -> type:
                     and active_fake_mode() is self._fake_mode_on_entry):
                 extra = self.temporaries(func, args, kwargs or {})
                 if extra:
-                    held = sum(snap[_TOTAL_KEY] for snap in self._curr_mem_snap.values())
+                    held = sum(snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()
+                               if torch.device(dev).type != "meta")
                     self.kernel_peak = max(self.kernel_peak, held + extra)
             return res
 
@@ -134,6 +135,10 @@ class PeakMemory:
         temporaries: MemTracker only: measured kernel temporaries
             (:class:`remat.measure.kernels.KernelTemporaries`); after each operator its
             temporaries are added to the bytes then held, giving ``allocator_peak_bytes``.
+
+    Tensors on the ``meta`` device hold no memory and are left out (a fake trace of a GPU
+    step made on a CPU puts what the step would offload to host memory there; see
+    :class:`remat.strategies.offload.HostOffload`).
 
     After the block: ``peak_bytes`` (int), ``allocator_peak_bytes`` (``peak_bytes`` or, with
     ``temporaries``, the higher peak with them), ``reserved_bytes`` (CUDA allocator only, else
@@ -185,7 +190,9 @@ class PeakMemory:
         self._stack.close()
         snapshot = self._tracker.get_tracker_snapshot("peak")
         totals: dict[str, int] = {}
-        for per_device in snapshot.values():
+        for dev, per_device in snapshot.items():
+            if torch.device(dev).type == "meta":
+                continue  # holds no memory (a fake trace's stand-in for host memory)
             for key, value in per_device.items():
                 name = str(getattr(key, "value", key))  # plain str: checkpoints load weights_only
                 totals[name] = totals.get(name, 0) + int(value)

@@ -11,6 +11,11 @@ the BF16 tensor-core rate with FP32 accumulation, used for ``bf16-mixed`` and ``
 Memory is the datasheet capacity in decimal GB (1e9 bytes); on a present GPU the planner
 uses ``torch.cuda.get_device_properties(...).total_memory`` instead.
 
+``host_bandwidth`` is the link between the GPU and host memory, one direction (bytes/s):
+half the bidirectional PCIe figure the datasheets give (PCIe Gen5 x16: 128 GB/s both ways,
+Gen4 x16: 64 GB/s). The planner's ``offload`` mode moves a recompute segment's kept inputs
+over it, to host memory after the forward and back before the recompute.
+
 ``cpu`` has no table row: its FLOP/s and bandwidth are measured on this machine when a plan
 asks for them (:func:`calibrate_cpu`: a float32 matmul and a large copy, a fraction of a
 second), and its memory is the machine's RAM (``os.sysconf``).
@@ -44,6 +49,9 @@ class DeviceSpec:
         bf16_flops: peak BF16 tensor-core FLOP/s, dense.
         bandwidth: peak memory bandwidth (bytes/s).
         source: where the figures come from.
+        host_bandwidth: device <-> host memory link, one direction (bytes/s); 0 where
+            tensors cannot be moved off the device (``cpu``: they already are in host
+            memory), which leaves the planner's ``offload`` mode out.
     """
 
     name: str
@@ -53,6 +61,7 @@ class DeviceSpec:
     bf16_flops: float
     bandwidth: float
     source: str
+    host_bandwidth: float = 0.0
 
     def flops_for(self, precision: str) -> float:
         """Peak FLOP/s used for ``precision`` (``32-true`` -> FP32, mixed -> BF16/FP16)."""
@@ -65,20 +74,21 @@ class DeviceSpec:
 _H100 = "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
 DEVICES: dict[str, DeviceSpec] = {d.name: d for d in (
     DeviceSpec("h100", "NVIDIA H100 SXM5 80GB", 80 * GB, 67 * TFLOPS, 989 * TFLOPS,
-               3350 * GBPS, _H100),
+               3350 * GBPS, _H100, 64 * GBPS),
     DeviceSpec("h100_pcie", "NVIDIA H100 PCIe 80GB", 80 * GB, 51 * TFLOPS, 756 * TFLOPS,
-               2000 * GBPS, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)"),
+               2000 * GBPS, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)", 64 * GBPS),
     DeviceSpec("h200", "NVIDIA H200 SXM 141GB", 141 * GB, 67 * TFLOPS, 989 * TFLOPS,
-               4800 * GBPS, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+               4800 * GBPS, "NVIDIA H200 Tensor Core GPU datasheet (SXM)", 64 * GBPS),
     DeviceSpec("a100_40gb", "NVIDIA A100 SXM4 40GB", 40 * GB, 19.5 * TFLOPS, 312 * TFLOPS,
-               1555 * GBPS, "NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)"),
+               1555 * GBPS, "NVIDIA A100 Tensor Core GPU datasheet (40GB SXM)", 32 * GBPS),
     DeviceSpec("a100_80gb", "NVIDIA A100 SXM4 80GB", 80 * GB, 19.5 * TFLOPS, 312 * TFLOPS,
-               2039 * GBPS, "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
+               2039 * GBPS, "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)", 32 * GBPS),
     DeviceSpec("l4", "NVIDIA L4 24GB", 24 * GB, 30.3 * TFLOPS, 121 * TFLOPS, 300 * GBPS,
-               "NVIDIA L4 Tensor Core GPU datasheet"),
+               "NVIDIA L4 Tensor Core GPU datasheet", 32 * GBPS),
     DeviceSpec("rtx4090", "NVIDIA GeForce RTX 4090 24GB", 24 * GB, 82.6 * TFLOPS,
                165.2 * TFLOPS, 1008 * GBPS,
-               "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090, FP32 accumulate)"),
+               "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090, FP32 accumulate); "
+               "host link: PCI Express 4.0 x16 (PCI-SIG, 16 GT/s per lane)", 32 * GBPS),
 )}
 
 #: Names a present GPU's ``torch.cuda.get_device_name`` is matched against (lower case).
@@ -144,7 +154,8 @@ def _present_cuda() -> DeviceSpec | None:
             base = DEVICES[name]
             return DeviceSpec(base.name, props.name, int(props.total_memory), base.fp32_flops,
                               base.bf16_flops, base.bandwidth,
-                              base.source + "; memory from torch.cuda.get_device_properties")
+                              base.source + "; memory from torch.cuda.get_device_properties",
+                              base.host_bandwidth)
     return None
 
 
@@ -167,7 +178,8 @@ def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") ->
 
     ``auto`` is the GPU present if it is in the table, else ``cpu`` (calibrated). A mapping
     gives a device by hand: ``name``, ``memory_bytes``, ``fp32_flops``, ``bf16_flops``,
-    ``bandwidth`` (``title`` and ``source`` optional).
+    ``bandwidth`` (``title``, ``source`` and ``host_bandwidth`` optional; without
+    ``host_bandwidth`` the planner does not offload).
 
     Raises:
         ValueError: unknown name (the message lists the known ones and how to give figures by
@@ -186,7 +198,8 @@ def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") ->
             return DeviceSpec(str(fields["name"]), str(fields.get("title", fields["name"])),
                               int(float(fields["memory_bytes"])), float(fields["fp32_flops"]),
                               float(fields["bf16_flops"]), float(fields["bandwidth"]),
-                              str(fields.get("source", "given by hand")))
+                              str(fields.get("source", "given by hand")),
+                              float(fields.get("host_bandwidth", 0.0)))
         except (TypeError, ValueError) as err:
             raise PlanInputError(f"{key}: device figures must be numbers ({err})") from err
     name = str(device).strip().lower().replace("-", "_")

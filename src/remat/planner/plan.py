@@ -2,8 +2,10 @@
 
 A plan lists units (dotted paths into the network) and, per unit, segments
 ``(start, end, mode)`` over its blocks with ``mode`` one of ``keep`` (nothing changes),
-``recompute`` (the segment is one checkpointed region, as ``full``/``sqrtn`` segments are)
-or ``selective`` (the block is checkpointed with the ``selective`` matmul preset). It also
+``recompute`` (the segment is one checkpointed region, as ``full``/``sqrtn`` segments are),
+``selective`` (the block is checkpointed with the ``selective`` matmul preset) or
+``offload`` (a ``recompute`` segment whose kept inputs wait in host memory, as the
+``offload`` strategy's ``segments=full`` moves them; planned for GPUs only). It also
 records what it was made for (network fingerprint, batch, size, precision, device, budget)
 and what was predicted (peak bytes, recompute time and FLOPs), so a saved ``plan.json`` is
 replayed only on the run it fits.
@@ -21,6 +23,7 @@ from torch import nn
 from remat.strategies import wrapping
 from remat.strategies.base import StrategyReport
 from remat.strategies.full import FullCheckpoint
+from remat.strategies.offload import OffloadCheckpoint
 from remat.strategies.recompute import ChainPlan, refuse_sync_batchnorm
 from remat.strategies.segmented import RecomputeStrategy, chain_members
 from remat.strategies.selective import SelectiveCheckpoint
@@ -176,7 +179,9 @@ def _resolves(model: nn.Module, path: str) -> bool:
 
 class PlanStrategy(RecomputeStrategy):
     """Apply a :class:`Plan`: ``recompute`` segments become checkpointed regions,
-    ``selective`` blocks use the ``selective`` matmul preset, ``keep`` blocks are left alone.
+    ``selective`` blocks use the ``selective`` matmul preset, ``offload`` segments are
+    checkpointed regions whose inputs are moved to host memory (pinned, on CUDA; on a CPU
+    they already are there and nothing moves), ``keep`` blocks are left alone.
 
     The plan names its own units, so ``model.stages`` is not used. Everything the other
     recomputing strategies guarantee holds (same function, BatchNorm statistics updated
@@ -196,6 +201,9 @@ class PlanStrategy(RecomputeStrategy):
             (:meth:`~remat.planner.BudgetStrategy.request`); ``None`` for a replayed file.
         resumed: the plan was read from the checkpoint being resumed (a plan for another
             network then means the checkpoint does not fit the model either).
+        host: where ``offload`` segments put their inputs: ``cpu``, or ``meta`` in the
+            planner's fake traces made on a CPU for a GPU
+            (:class:`~remat.strategies.offload.HostOffload`).
 
     Raises:
         FileNotFoundError, ValueError: the plan file is missing or not a plan.
@@ -206,7 +214,7 @@ class PlanStrategy(RecomputeStrategy):
 
     def __init__(self, plan: Plan | dict | None = None, path: str | None = None,
                  origin: str | None = None, request: dict | None = None,
-                 resumed: bool = False) -> None:
+                 resumed: bool = False, host: str = "cpu") -> None:
         if plan is None and path is None:
             raise ValueError("strategy plan: give strategy.path=<plan.json> (written by "
                              "python -m remat.plan) or a plan")
@@ -221,6 +229,13 @@ class PlanStrategy(RecomputeStrategy):
         self.resumed = bool(resumed)
         self._full = FullCheckpoint()
         self._selective = SelectiveCheckpoint("matmul")
+        self._offload = OffloadCheckpoint(pin_memory=True, segments="full")
+        self._offload._host = host
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any segment of the plan is ``offload``."""
+        return any(mode == "offload" for u in self.plan.units for _, _, mode in u.segments)
 
     def apply(self, model: nn.Module, stages: Any = ()) -> StrategyReport:
         """Wrap ``model`` (the network) as the plan says; ``stages`` is ignored.
@@ -266,11 +281,16 @@ class PlanStrategy(RecomputeStrategy):
 
     def _wrap_unit(self, unit: UnitPlan, module: nn.Module, report: StrategyReport,
                    where: str) -> None:
-        owners = {"recompute": self._full, "selective": self._selective}
+        owners = {"recompute": self._full, "selective": self._selective,
+                  "offload": self._offload}
         if unit.kind == "module":
             if len(unit.segments) != 1 or unit.segments[0][:2] != (0, 1):
                 raise StageError(f"{where}: unit {unit.path} is one module; expected one "
                                  "segment [0, 1)")
+            if unit.segments[0][2] not in owners:
+                raise StageError(f"{where}: unit {unit.path}: unknown mode "
+                                 f"{unit.segments[0][2]!r} (keep, recompute, selective, "
+                                 "offload)")
             owner = owners[unit.segments[0][2]]
             wrapping.install(module, wrapping.Wrap(owner, unit.path, owner.run))
             report.segments[unit.path] = [(0, 1)]
@@ -289,7 +309,7 @@ class PlanStrategy(RecomputeStrategy):
                 continue
             if mode not in owners:
                 raise StageError(f"{where}: unit {unit.path}: unknown mode {mode!r} (keep, "
-                                 "recompute, selective)")
+                                 "recompute, selective, offload)")
             owner = owners[mode]
             for index in range(start, end):
                 name, member = members[index]
@@ -306,5 +326,5 @@ class PlanStrategy(RecomputeStrategy):
             StageError: names the SyncBatchNorm module.
         """
         for _, module, wrap in wrapping.wraps_of(model):
-            if wrap.owner is self._full or wrap.owner is self._selective:
+            if wrap.owner in (self._full, self._selective, self._offload):
                 refuse_sync_batchnorm(module, wrap.path)

@@ -245,6 +245,9 @@ class Planner:
         """:func:`remat.measure.trace.step_fn`'s arguments for a fake step of this run
         shape with ``strategy`` (FLOPs counted, kernel temporaries added when measured)."""
         build = build or self.build
+        if isinstance(strategy, PlanStrategy) and strategy.offloads:
+            # traces are fake CPU steps: offloaded inputs leave the traced device for meta
+            strategy = PlanStrategy(strategy.plan, host="meta")
         return {"build": lambda: build(strategy), "batch_size": self.batch_size,
                 "size": self.size, "device": torch.device("cpu"),
                 "precision": self.precision, "fake": True,
@@ -273,9 +276,10 @@ class Planner:
 
     def _prepare(self) -> None:
         prof = self.profile
-        self.blocks = {u.path: [to_block(prof.blocks[b], self.objective) for b in u.blocks]
-                       for u in prof.units}
-        self.time_blocks = ({u.path: [to_block(prof.blocks[b]) for b in u.blocks]
+        host = self.spec.host_bandwidth  # 0 on a CPU: no offload segments
+        self.blocks = {u.path: [to_block(prof.blocks[b], self.objective, host)
+                                for b in u.blocks] for u in prof.units}
+        self.time_blocks = ({u.path: [to_block(prof.blocks[b], "time", host) for b in u.blocks]
                              for u in prof.units} if self.objective != "time" else self.blocks)
         # a tensor two units refer to (a U-Net skip, a stage output feeding the next stage)
         # stays alive whatever either does: it counts once, in the base

@@ -16,7 +16,12 @@ Per segment ``s`` of a chain, in mode
   transient = what its blocks save, time = their forward time;
 - ``selective`` (one block, matmul preset): kept = its inputs and the outputs of its
   matmul/convolution/SDPA ops it saves, transient = the rest of what it saves, time = the
-  forward time of its other ops.
+  forward time of its other ops;
+- ``offload`` (blocks ``[start, end)``, a GPU with a host link only): a ``recompute``
+  segment whose inputs are moved to host memory after the forward and back before the
+  recompute (the ``offload`` strategy's boundary hooks): kept = nothing on the device,
+  transient = what its blocks save and its inputs, time = their forward time and the two
+  copies of its inputs over the host link (not overlapped with compute: an upper bound).
 
 Kept tensors are counted by storage, once per pair of neighbouring segments (a kept block's
 saved output that is also the next segment's input counts once) and not at all when an op
@@ -33,13 +38,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-MODES = ("keep", "recompute", "selective")
+MODES = ("keep", "recompute", "selective", "offload")
+#: Modes that recompute a segment of any length from its inputs.
+SEGMENT_MODES = ("recompute", "offload")
 
 
 @dataclass(frozen=True)
 class Block:
     """The costs of one block the search needs (bytes, s, FLOPs); see
-    :class:`remat.planner.profile.BlockCost`."""
+    :class:`remat.planner.profile.BlockCost`. ``host_seconds_per_byte``: time to move one
+    byte over the device's host link (``1 / host_bandwidth``), 0 where the device has
+    none (no ``offload`` segment then)."""
 
     saved: dict
     selective_saved: dict
@@ -50,6 +59,7 @@ class Block:
     selective_time: float
     selective_flops: int
     mutated: dict = field(default_factory=dict)
+    host_seconds_per_byte: float = 0.0
 
 
 @dataclass
@@ -83,11 +93,12 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
     """``(kept storages, transient bytes, time, FLOPs)`` of one segment in ``mode``.
 
     Raises:
-        ValueError: unknown mode, or ``keep``/``selective`` over more than one block.
+        ValueError: unknown mode, ``keep``/``selective`` over more than one block, or
+            ``offload`` on blocks without a host link (``host_seconds_per_byte`` 0).
     """
     if mode not in MODES:
         raise ValueError(f"planner: unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    if mode != "recompute" and end - start != 1:
+    if mode not in SEGMENT_MODES and end - start != 1:
         raise ValueError(f"planner: mode {mode!r} is per block, got blocks [{start}, {end})")
     if mode == "keep":
         return dict(blocks[start].saved), 0, 0.0, 0
@@ -100,8 +111,15 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
     internal: dict = {}
     for b in blocks[start:end]:
         internal.update(b.saved)
-    return (inputs, _bytes(internal), sum(b.time for b in blocks[start:end]),
-            sum(b.flops for b in blocks[start:end]))
+    time = sum(b.time for b in blocks[start:end])
+    flops = sum(b.flops for b in blocks[start:end])
+    if mode == "offload":  # the inputs leave the device and come back for the recompute
+        if blocks[start].host_seconds_per_byte <= 0:
+            raise ValueError("planner: mode 'offload' needs a device with a host link "
+                             "(its host_bandwidth); this one has none")
+        moved = 2 * _bytes(inputs) * blocks[start].host_seconds_per_byte
+        return {}, _bytes(internal | inputs), time + moved, flops
+    return inputs, _bytes(internal), time, flops
 
 
 def replayable(blocks: Sequence[Block], start: int, end: int, mode: str) -> bool:
@@ -223,8 +241,10 @@ def _segments(blocks: Sequence[Block], cap: int | None, free: dict, max_segment:
     segs: dict[tuple[int, int, str], tuple[dict, int, float, int]] = {}
     for start in range(n):
         for mode in modes:
-            ends = range(start + 1, min(n, start + longest) + 1) if mode == "recompute" else (
-                start + 1,)
+            if mode == "offload" and blocks[start].host_seconds_per_byte <= 0:
+                continue  # no host link
+            ends = (range(start + 1, min(n, start + longest) + 1) if mode in SEGMENT_MODES
+                    else (start + 1,))
             for end in ends:
                 if not replayable(blocks, start, end, mode):
                     continue
@@ -360,13 +380,16 @@ def describe(option: Option) -> str:
     return ", ".join(parts)
 
 
-def to_block(cost: Any, objective: str = "time") -> Block:
+def to_block(cost: Any, objective: str = "time", host_bandwidth: float = 0.0) -> Block:
     """A :class:`Block` from a :class:`~remat.planner.profile.BlockCost`; with
-    ``objective="flops"`` its ``time`` fields hold FLOPs (the search minimises those)."""
+    ``objective="flops"`` its ``time`` fields hold FLOPs (the search minimises those) and
+    there is no ``offload`` (it adds no FLOPs, only host copies, which FLOPs cannot weigh);
+    ``host_bandwidth`` (bytes/s, 0: none) prices ``offload`` under ``objective="time"``."""
     mutated = dict(cost.mutated)
     if objective == "flops":
         return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs,
                      float(cost.flops), cost.flops, float(cost.selective_flops),
                      cost.selective_flops, mutated)
+    per_byte = 1.0 / host_bandwidth if host_bandwidth > 0 else 0.0
     return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs, cost.time,
-                 cost.flops, cost.selective_time, cost.selective_flops, mutated)
+                 cost.flops, cost.selective_time, cost.selective_flops, mutated, per_byte)

@@ -72,23 +72,41 @@ class HostOffload:
         buffers: storage ids of buffers that must stay (see :func:`is_weight`).
         copy_host_tensors: also copy tensors that already live in host memory (tests use it
             to see on CPU what a CUDA run would move).
+        host: ``"cpu"`` (host memory), or ``"meta"`` in a fake trace
+            (``FakeTensorMode``) of a GPU step made on a CPU: the moved tensors then leave
+            the traced device as they would leave the GPU, and hold nothing (the planner's
+            ``offload`` mode; :class:`~remat.measure.PeakMemory` leaves ``meta`` out).
+
+    Raises:
+        ValueError: ``host`` is neither ``cpu`` nor ``meta``; :meth:`pack` with ``host="meta"``
+            of a real tensor (its values would be lost).
     """
 
     def __init__(self, pin_memory: bool, buffers: frozenset[int] = frozenset(),
-                 copy_host_tensors: bool = False) -> None:
+                 copy_host_tensors: bool = False, host: str = "cpu") -> None:
+        if host not in ("cpu", "meta"):
+            raise ValueError(f"HostOffload: host must be 'cpu' or 'meta', got {host!r}")
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.buffers = buffers
         self.copy_host_tensors = copy_host_tensors
+        self.host = host
 
     def moves(self, t: torch.Tensor) -> bool:
         """Whether :meth:`pack` copies ``t`` to host memory."""
-        if t.device.type == "cpu" and not self.copy_host_tensors:
+        if t.device.type == "cpu" and not self.copy_host_tensors and self.host == "cpu":
             return False
         return not is_weight(t, self.buffers)
 
     def pack(self, t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
         if not self.moves(t):
             return None, t
+        if self.host == "meta":
+            from torch._subclasses.fake_tensor import is_fake
+
+            if not is_fake(t):
+                raise ValueError("HostOffload(host='meta') is for fake traces only; a real "
+                                 "tensor's values would be lost")
+            return t.device, t.to("meta")
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout,
                            pin_memory=self.pin_memory and t.device.type == "cuda")
         host.copy_(t)
@@ -132,6 +150,7 @@ class OffloadCheckpoint(RecomputeStrategy):
         self.segments = segments
         self.k = k
         self._copy_host_tensors = False  # tests: copy on CPU as a CUDA run would
+        self._host = "cpu"  # "meta": a fake trace of a GPU step (HostOffload)
 
     @property
     def recomputes(self) -> bool:  # type: ignore[override]
@@ -140,7 +159,8 @@ class OffloadCheckpoint(RecomputeStrategy):
 
     def offload(self, buffers: frozenset[int] = frozenset()) -> HostOffload:
         """The hooks this strategy moves tensors with."""
-        return HostOffload(self.pin_memory, buffers, self._copy_host_tensors)
+        return HostOffload(self.pin_memory, buffers, self._copy_host_tensors,
+                           getattr(self, "_host", "cpu"))
 
     def segments_for(self, n: int) -> list[tuple[int, int]]:
         if self.segments == "every_k":

@@ -14,6 +14,7 @@ from remat.measure.parity import compare_gradients, gradients_of
 from remat.measure.trace import trace_step
 from remat.planner import InfeasibleBudget, Plan, Planner, PlanStrategy
 from remat.planner import planner as planner_module
+from remat.planner.planner import full_segments
 from remat.planner.profile import find_candidates
 from remat.strategies import NoCheckpoint, StageError
 from tests.helpers import compose_config
@@ -187,8 +188,8 @@ def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(gpt_long,
     every = planner()
     every_plan, every_floor = every.floor()
     assert candidates.keys() <= every.cache.keys()
-    # traced: offloaded block by block (h100 has a host link), block by block, by 2 (= sqrt(4))
-    assert len(candidates) == 4 and len(traced) == 3
+    # h100 has a host link: the fixed partitions offload; traced: block by block, by 2
+    assert len(candidates) == 3 and len(traced) == 2
     assert "offload" in plan.summary()  # the floor moves the blocks' inputs to host memory
     for key in candidates.keys() - traced:  # one segment: modelled above 2x, traced above
         assert skipping.modelled(candidates[key]) > 2 * floor.allocator_peak
@@ -216,9 +217,8 @@ def test_offload_lowers_the_floor_for_a_gpu_and_keeps_the_function(gpt_long):
     planner = Planner(build, batch, size, "32-true", device="h100", max_traces=3,
                       default_stages=["blocks"])
     floor_plan, floor = planner.floor()
-    by_block = next(c for c in planner.floor_candidates()
-                    if c.summary() == "blocks: recompute 0, recompute 1, recompute 2, "
-                                      "recompute 3")
+    by_block = planner._plan_of({"blocks": planner._option("blocks", full_segments(4))})
+    assert by_block.summary() == "blocks: recompute 0, recompute 1, recompute 2, recompute 3"
     recomputed = planner.trace(PlanStrategy(by_block))
     assert "offload" in floor_plan.summary()
     assert floor.allocator_peak < recomputed.allocator_peak

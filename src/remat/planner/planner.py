@@ -341,7 +341,7 @@ class Planner:
     def floor_candidates(self) -> list[Plan]:
         """The plans :meth:`floor` traces, in this order: the least modelled peak, and
         every unit recomputed block by block, in sqrt(n) segments, as one segment, in
-        segments of 2 or 4 blocks.
+        segments of 2 or 4 blocks (offloaded segments on a device with a host link).
 
         The least modelled peak is searched over every transient size a segment has (the
         largest recompute of the step), each unit keeping the least it can within it
@@ -360,10 +360,15 @@ class Planner:
                 if best is None or peak < best[0]:
                     best = (peak, choice)
             plans = [self._plan_of(best[1])]
+            # with a host link an offloaded segment keeps less than the same recompute
+            # segment and replays the same: the fixed partitions offload theirs
+            mode = "offload" if self.spec.host_bandwidth > 0 and self.objective == "time" \
+                else "recompute"
             for segments in (full_segments, sqrt_segments_of, one_segment,
                              lambda n: k_segments(n, 2), lambda n: k_segments(n, 4)):
-                plans.append(self._plan_of({u.path: self._option(u.path, segments(
-                    len(u.blocks))) for u in self.profile.units}))
+                plans.append(self._plan_of({u.path: self._option(u.path, [
+                    (a, b, mode) for a, b, _ in segments(len(u.blocks))])
+                    for u in self.profile.units}))
             self._candidates = plans
         return self._candidates
 

@@ -34,6 +34,7 @@ the units' Pareto sets (an exact merge, rounded to a byte granularity) for each 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,7 +136,7 @@ def replayable(blocks: Sequence[Block], start: int, end: int, mode: str) -> bool
 def replayable_segments(blocks: Sequence[Block], segments: Sequence[tuple[int, int, str]]
                         ) -> list[tuple[int, int, str]]:
     """``segments`` with each segment that may not replay (:func:`replayable`) joined to
-    the recompute segment before it, or, with none before it, its first block kept and the
+    the recompute (or offload) segment before it, or, with none before it, its first block kept and the
     rest tried again: what a fixed strategy's segments become on a chain with in-place
     blocks."""
     out: list[tuple[int, int, str]] = []
@@ -144,9 +145,9 @@ def replayable_segments(blocks: Sequence[Block], segments: Sequence[tuple[int, i
         start, end, mode = todo.pop(0)
         if replayable(blocks, start, end, mode):
             out.append((start, end, mode))
-        elif out and out[-1][2] == "recompute" and replayable(blocks, out[-1][0], end,
-                                                                "recompute"):
-            out[-1] = (out[-1][0], end, "recompute")
+        elif out and out[-1][2] in SEGMENT_MODES and replayable(blocks, out[-1][0], end,
+                                                                out[-1][2]):
+            out[-1] = (out[-1][0], end, out[-1][2])
         else:
             out.append((start, start + 1, "keep"))
             if end > start + 1:
@@ -185,6 +186,33 @@ def _pareto(labels: Iterable[Option]) -> list[Option]:
     return out
 
 
+#: A partial plan in :func:`chain_frontier`: ``(kept, time, flops, transient, segment,
+#: previous label or None)``; the segments are read back along the previous labels, so a
+#: label costs no copy of its plan.
+_Label = tuple
+
+_BY_KEPT_TIME = operator.itemgetter(0, 1, 2)
+
+
+def _pareto_labels(labels: list[_Label]) -> list[_Label]:
+    """:func:`_pareto` for labels."""
+    out: list[_Label] = []
+    labels.sort(key=_BY_KEPT_TIME)
+    for lab in labels:
+        if not out or lab[1] < out[-1][1] - 1e-15:
+            out.append(lab)
+    return out
+
+
+def _option_of(label: _Label) -> Option:
+    segments = []
+    node = label
+    while node is not None:
+        segments.append(node[4])
+        node = node[5]
+    return Option(label[0], label[3], label[1], label[2], segments[::-1])
+
+
 def chain_frontier(blocks: Sequence[Block], cap: int | None = None, free: dict | None = None,
                    max_segment: int | None = None, modes: Sequence[str] = MODES
                    ) -> list[Option]:
@@ -207,29 +235,32 @@ def chain_frontier(blocks: Sequence[Block], cap: int | None = None, free: dict |
     if n == 0:
         return [Option(0, 0, 0.0, 0, [])]
     segs = _segments(blocks, cap, free or {}, max_segment, modes)
-    # labels[(seg)] = Pareto options of prefixes ending with segment seg
-    labels: dict[tuple[int, int, str], list[Option]] = {}
+    # labels[(seg)] = Pareto labels of prefixes ending with segment seg
+    labels: dict[tuple[int, int, str], list[_Label]] = {}
     by_start: dict[int, list[tuple[int, int, str]]] = {}
+    by_end: dict[int, list[tuple[int, int, str]]] = {}
     for seg in segs:
         by_start.setdefault(seg[0], []).append(seg)
     for seg in by_start.get(0, []):
         keys, trans, t, f = segs[seg]
-        labels[seg] = [Option(_bytes(keys), trans, t, f, [seg])]
+        labels[seg] = [(_bytes(keys), t, f, trans, seg, None)]
+        by_end.setdefault(seg[1], []).append(seg)
     for pos in range(1, n):
-        ending = [s for s in labels if s[1] == pos]
+        ending = by_end.get(pos, [])
         for nxt in by_start.get(pos, []):
             keys, trans, t, f = segs[nxt]
-            cands = []
+            cands: list[_Label] = []
             for prev in ending:
                 prev_keys = segs[prev][0]
                 add = sum(v for k, v in keys.items() if k not in prev_keys)
-                for opt in labels[prev]:
-                    cands.append(Option(opt.kept + add, max(opt.transient, trans),
-                                        opt.time + t, opt.flops + f, [*opt.segments, nxt]))
+                cands.extend((lab[0] + add, lab[1] + t, lab[2] + f,
+                              lab[3] if lab[3] >= trans else trans, nxt, lab)
+                             for lab in labels[prev])
             if cands:
-                labels[nxt] = _pareto(cands)
-    final = [o for s, opts in labels.items() if s[1] == n for o in opts]
-    return _pareto(final)
+                labels[nxt] = _pareto_labels(cands)
+                by_end.setdefault(nxt[1], []).append(nxt)
+    final = [lab for seg in by_end.get(n, []) for lab in labels[seg]]
+    return [_option_of(lab) for lab in _pareto_labels(final)]
 
 
 def _segments(blocks: Sequence[Block], cap: int | None, free: dict, max_segment: int | None,

@@ -136,9 +136,9 @@ def replayable(blocks: Sequence[Block], start: int, end: int, mode: str) -> bool
 def replayable_segments(blocks: Sequence[Block], segments: Sequence[tuple[int, int, str]]
                         ) -> list[tuple[int, int, str]]:
     """``segments`` with each segment that may not replay (:func:`replayable`) joined to
-    the recompute (or offload) segment before it, or, with none before it, its first block kept and the
-    rest tried again: what a fixed strategy's segments become on a chain with in-place
-    blocks."""
+    the recompute (or offload) segment before it, or, with none before it, its first
+    block kept and the rest tried again: what a fixed strategy's segments become on a
+    chain with in-place blocks."""
     out: list[tuple[int, int, str]] = []
     todo = list(segments)
     while todo:

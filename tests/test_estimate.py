@@ -158,12 +158,12 @@ def test_timm_convnext_unet_is_estimated(tmp_path):
 
 def test_patch_size_datasets_use_the_patch_as_input(tmp_path):
     base = [*UNET, "data=isbi2012", "data.batch_size=2"]
-    predicted, measured = _pair(tmp_path, [*base, "data.patch_size=[32,64]"])
-    assert predicted.size_key == "data.patch_size" and predicted.size == (32, 64)
+    predicted, measured = _pair(tmp_path, [*base, "data.patch_size=[64,128]"])
+    assert predicted.size_key == "data.patch_size" and predicted.size == (64, 128)
     assert _within(predicted, measured), (predicted.categories, measured.categories)
-    square = estimate(compose_config("estimate", tmp_path, [*base, "data.patch_size=64"]))
-    assert square.size == 64
-    # a 32 x 64 crop holds half the pixels of a 64 x 64 one
+    square = estimate(compose_config("estimate", tmp_path, [*base, "data.patch_size=128"]))
+    assert square.size == 128
+    # a 64 x 128 crop holds half the pixels of a 128 x 128 one (activations dominate the peak)
     assert 0.4 < predicted.categories["activations"] / square.categories["activations"] < 0.6
     with pytest.raises(ValueError, match=r"data.patch_size must be an integer >= 1 or \[h, w\]"):
         estimate(compose_config("estimate", tmp_path, [*base, "data.patch_size=[32,0]"]))

@@ -63,6 +63,7 @@ from remat.measure import (
     TOLERANCES,
     PeakMemory,
     StepTimer,
+    allocation_levels,
     compare_gradients,
     device_name,
     format_bytes,
@@ -201,9 +202,14 @@ class ProfilerPeakMemory:
     kernels too), plus the parameters and buffers of ``modules`` held at the start. On an
     eager step this equals MemTracker's peak to within rounding (``tests/test_bench.py``).
 
-    Reads the raw event stream (``prof.profiler.kineto_results.events()``, ``[memory]``
-    events with signed ``nbytes``): torch's public ``events()`` folds allocations into the
-    ops that made them and loses the time order.
+    Reads the profiler's allocation events in time order (``experimental_event_tree()``,
+    each with its block's address and signed size; torch's public ``events()`` folds
+    allocations into the ops that made them and loses the order). A free counts only when
+    its block was allocated inside this block of work: the profiler also reports frees of
+    blocks allocated during an *earlier* profiling session of the process (a model's
+    gradients from the last measured step, freed by ``zero_grad``), which put the running
+    sum that much too low (a 2-block GPT: 869,704 B instead of 987,976 B on every
+    measurement after the first).
 
     After the block: ``peak_bytes`` (int), ``reserved_bytes`` (``None``).
     """
@@ -230,15 +236,8 @@ class ProfilerPeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._prof.__exit__(*exc)
-        kind = torch._C._autograd.DeviceType.CUDA if self.device.type == "cuda" \
-            else torch._C._autograd.DeviceType.CPU
-        events = sorted((e for e in self._prof.profiler.kineto_results.events()
-                         if e.name() == "[memory]" and e.device_type() == kind),
-                        key=lambda e: e.start_ns())
-        running = peak = 0
-        for event in events:
-            running += event.nbytes()
-            peak = max(peak, running)
+        _, levels = allocation_levels(self._prof, self.device.type)
+        peak = max(levels, default=0)
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for m in self.modules for t in (*m.parameters(), *m.buffers())
                 if t.device.type == self.device.type}

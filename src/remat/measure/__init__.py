@@ -1,6 +1,12 @@
 """Measurement shared by callbacks, benchmarks and tests (no Lightning imports here)."""
 
-from remat.measure.memory import CATEGORIES, PeakMemory, device_name, format_bytes
+from remat.measure.memory import (
+    CATEGORIES,
+    PeakMemory,
+    allocation_levels,
+    device_name,
+    format_bytes,
+)
 from remat.measure.parity import TOLERANCES, GradientParity, compare_gradients, gradients_of
 from remat.measure.step import autocast, step_peak_memory, training_step
 from remat.measure.timing import StepTimer, synchronize
@@ -11,6 +17,7 @@ __all__ = [
     "GradientParity",
     "PeakMemory",
     "StepTimer",
+    "allocation_levels",
     "autocast",
     "compare_gradients",
     "device_name",

@@ -186,15 +186,10 @@ def _measure_cpu(calls: list[Call], repeats: int) -> list[int]:
                     del out, args, kwargs
                 except Exception:  # noqa: BLE001 - stand-in values an op refuses: no figure
                     break
+    from remat.measure.memory import allocation_levels
+
     events = prof.profiler.kineto_results.events()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events
-                    if e.name() == "[memory]"
-                    and e.device_type() == torch._C._autograd.DeviceType.CPU)
-    times = [t for t, _ in memory]
-    levels, running = [], 0
-    for _, n in memory:
-        running += n
-        levels.append(running)
+    times, levels = allocation_levels(prof, "cpu")
     found = [0] * len(calls)
     for e in events:
         name = e.name()

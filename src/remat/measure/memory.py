@@ -66,11 +66,20 @@ def _global_peak_tracker_class() -> type:
       tracker's own per-parameter hooks, installed for every module given to
       ``track_external``). Without module hooks, tensors made during backward are all
       ``Temp``: activations that a recompute makes again count there, not as ``Activation``.
+    - A view (or in-place result) of a tensor made before the tracker started and not
+      given to ``track_external`` allocates nothing, but the stock tracker counted its
+      storage as new from then on: a segmentation loss's ``mask.unsqueeze(1)`` added the
+      int64 mask again (4 MiB at 512 px, batch 2), so traces were 4 MiB above the
+      allocator. Such storages are now left out, as the tensors they view are.
     """
     from copy import deepcopy
 
     from torch._guards import active_fake_mode
+    from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.weak import WeakIdKeyDictionary
 
     class _GlobalPeakTracker(MemTracker):
         # kernel temporaries (remat.measure.kernels.KernelTemporaries) and the highest the
@@ -81,6 +90,15 @@ def _global_peak_tracker_class() -> type:
         def __init__(self) -> None:
             super().__init__()
             self._mod_tracker = _NoModuleHooks()
+            # storages made before the tracker started and not given to track_external
+            # (the batch): a view or in-place result of one allocates nothing
+            self._outside = WeakIdKeyDictionary()
+
+        def _track(self, reftype, t: torch.Tensor) -> None:
+            storages = get_untyped_storages(t)
+            if storages and all(st in self._outside for st in storages):
+                return
+            super()._track(reftype, t)
 
         def track_external(self, *external: Any) -> None:
             super().track_external(*external)
@@ -95,6 +113,12 @@ def _global_peak_tracker_class() -> type:
                     self._peak_mem_snap[dev] = deepcopy(dev_snap)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if active_fake_mode() is self._fake_mode_on_entry:
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
+                        for st in get_untyped_storages(t):
+                            if st not in self._WINFO:
+                                self._outside[st] = True
             res = super().__torch_dispatch__(func, types, args, kwargs)
             if (self.temporaries and res is not NotImplemented
                     and active_fake_mode() is self._fake_mode_on_entry):
@@ -214,6 +238,46 @@ class PeakMemory:
                if k != "Total"}
         out["total"] = self.peak_bytes
         return out
+
+
+def allocation_levels(prof: Any, device_type: str) -> tuple[list[int], list[int]]:
+    """The allocator's running total through a finished
+    ``torch.profiler.profile(profile_memory=True)`` session on devices of ``device_type``:
+    ``(times_ns, levels)``, one entry per allocation or free, in time order, each level
+    in bytes above the session's start.
+
+    Read from the profiler's allocation events (``experimental_event_tree()``: each has its
+    block's address and signed size). A free counts only when its block was allocated in
+    the session: the profiler also reports frees of blocks allocated during an *earlier*
+    profiling session of the process (a model's gradients from the last measured step,
+    freed by ``zero_grad``), which would put the total that much too low (a 2-block GPT's
+    step: 869,704 B instead of 987,976 B on every measurement after the first).
+    """
+    from torch._C._profiler import _EventType
+
+    events = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device_type:
+            fields = node.extra_fields
+            events.append((node.start_time_ns, fields.allocation_id, fields.ptr,
+                           fields.alloc_size))
+    live: dict[int, int] = {}
+    running = 0
+    times, levels = [], []
+    for t, _, ptr, size in sorted(events):
+        if size > 0:
+            live[ptr] = live.get(ptr, 0) + size
+            running += size
+        elif ptr in live:
+            running -= live.pop(ptr)
+        else:
+            continue
+        times.append(t)
+        levels.append(running)
+    return times, levels
 
 
 def format_bytes(num_bytes: int | None) -> str:

@@ -106,6 +106,8 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
     """The strategy to train with: a :class:`~remat.planner.BudgetStrategy` becomes the
     :class:`~remat.planner.PlanStrategy` of its plan (planned here, before the model is
     built); a replayed plan is checked against the run; anything else is returned as it is.
+    Either warns when the plan is for another device than the run trains on
+    (:func:`warn_if_other_device`).
 
     Resuming (``ckpt``: the checkpoint at ``ckpt_path``, as
     :func:`remat.models.checks.read_checkpoint` read it), a budget takes the plan saved in
@@ -128,17 +130,18 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
     if isinstance(strategy, BudgetStrategy):
         default_stages = list(cfg.model.get("stages") or [])
         sharding = run_shape.sharding_of(cfg)
-        if ckpt is not None:
-            saved = _saved_plan(cfg, strategy, ckpt, ckpt_path, default_stages,
-                                sharding.reshard_after_forward)
-            if saved is not None:
-                return saved
-        build, batch_size, size, precision, accumulate = run_shape_of(cfg)
-        with _rng_kept():  # planning builds models: the run's weights must not change
-            return strategy.planned(build, batch_size, size, precision, accumulate,
-                                    default_stages=default_stages,
-                                    world_size=sharding.world_size,
-                                    reshard_after_forward=sharding.reshard_after_forward)
+        planned = (_saved_plan(cfg, strategy, ckpt, ckpt_path, default_stages,
+                               sharding.reshard_after_forward) if ckpt is not None else None)
+        if planned is None:
+            build, batch_size, size, precision, accumulate = run_shape_of(cfg)
+            with _rng_kept():  # planning builds models: the run's weights must not change
+                planned = strategy.planned(
+                    build, batch_size, size, precision, accumulate,
+                    default_stages=default_stages, world_size=sharding.world_size,
+                    reshard_after_forward=sharding.reshard_after_forward)
+        warn_if_other_device(planned.plan, cfg, None,
+                             where=f"strategy.device={strategy.device}")
+        return planned
     if isinstance(strategy, PlanStrategy):
         where = strategy.origin if strategy.resumed else None
         check_plan_fits(strategy.plan, cfg, strategy.path, where)

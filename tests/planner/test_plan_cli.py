@@ -79,6 +79,21 @@ def test_a_plan_for_another_device_warns_and_trains(tmp_path, caplog):
     assert not caplog.records  # a cpu plan on this CPU
 
 
+def test_a_budget_planned_for_another_device_warns(tmp_path, caplog):
+    """strategy=budget strategy.device=h100 on this CPU trains, saying the predicted peak
+    holds on the H100 only (it was silent)."""
+    from remat.planner import BudgetStrategy
+
+    cfg = compose_train(tmp_path, [*TINY, "strategy=budget", "strategy.memory=0.5",
+                                   "strategy.device=h100"])
+    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+        strategy = plan_for_run(cfg, BudgetStrategy(memory=0.5, device="h100"))
+    assert isinstance(strategy, PlanStrategy) and strategy.plan.device == "h100"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "strategy.device=h100: the plan was made for device h100, this run trains on cpu")
+
+
 def test_the_device_present_is_named_as_the_device_table_does(monkeypatch):
     monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(devices, "_present_cuda", lambda: devices.DEVICES["h100"])

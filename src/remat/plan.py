@@ -529,12 +529,14 @@ TRAIN_GROUPS = ("experiment", "debug", "trainer", "callbacks", "logger")
 
 
 def train_overrides(path: Path, micro_batch: int | None = None,
-                    accumulate: int | None = None) -> list[str]:
+                    accumulate: int | None = None, sequence: bool = False) -> list[str]:
     """The overrides that train with the plan at ``path``: this ``remat.plan`` call's own
     (model, data, sizes, precision; under Hydra) less the planner's keys, then, for a
     micro-batch of the search, ``data.batch_size=<micro_batch>
-    accumulate_grad_batches=<accumulate>`` in place of the call's, and ``strategy=plan
-    strategy.path=<path>``."""
+    accumulate_grad_batches=<accumulate>`` in place of the call's, for a ``sequence``
+    model without an experiment or monitor of its own ``monitor=val/loss
+    monitor_mode=min`` (``train.yaml`` monitors a segmentation model's ``val/dice``), and
+    ``strategy=plan strategy.path=<path>``."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -553,14 +555,19 @@ def train_overrides(path: Path, micro_batch: int | None = None,
         kept.append(override)
     if micro_batch:
         kept += [f"data.batch_size={micro_batch}", f"accumulate_grad_batches={accumulate}"]
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in kept}
+    if sequence and not keys & {"experiment", "monitor", "monitor_mode"}:
+        kept += ["monitor=val/loss", "monitor_mode=min"]
     return [*kept, "strategy=plan", f"strategy.path={path}"]
 
 
-def _plan_lines(plan: Plan, seconds: float) -> str:
-    """What is printed for the plan: its budget, predicted peaks, costs and units."""
+def _plan_lines(plan: Plan, seconds: float, temporaries: bool = True) -> str:
+    """What is printed for the plan: its budget, predicted peaks, costs and units
+    (``temporaries``: whether kernel temporaries were measured into the peak)."""
+    extra = "the batch and kernel temporaries" if temporaries else "the batch"
     return (f"budget {format_bytes(plan.budget_bytes)} (margin {format_bytes(plan.margin_bytes)}"
-            f"): predicted peak {format_bytes(plan.predicted_allocator_peak_bytes)} with the "
-            f"batch and kernel temporaries, {format_bytes(plan.predicted_peak_bytes)} in "
+            f"): predicted peak {format_bytes(plan.predicted_allocator_peak_bytes)} with "
+            f"{extra}, {format_bytes(plan.predicted_peak_bytes)} in "
             f"tensors (none {format_bytes(plan.none_peak_bytes)}), recompute FLOPs x"
             f"{1 + plan.recompute_flops / max(plan.step_flops, 1):.3f} of none, modelled "
             f"step time x{plan.predicted_overhead:.3f} (planned in {seconds:.1f} s)\n"
@@ -625,11 +632,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"device": spec.to_dict(), "none_peak_bytes": planner.none.peak_bytes,
                               "none_allocator_peak_bytes": planner.none.allocator_peak}
     path = out / "plan.json"
+    sequence = planner.profile.kind != "image"
+    measured = planner.temporaries is not None
     if cfg.get("memory") is not None and not effective:
         planned = planner.plan(cfg.memory)
         planned.plan.save(path)
-        result["train_overrides"] = train_overrides(path)
-        report_log.info(_plan_lines(planned.plan, planned.seconds + planner.setup_seconds)
+        result["train_overrides"] = train_overrides(path, sequence=sequence)
+        report_log.info(_plan_lines(planned.plan, planned.seconds + planner.setup_seconds,
+                                    measured)
                         + f"\nplan written to {path}; train with it:\n  python train.py "
                         + " ".join(shlex.quote(o) for o in result["train_overrides"]))
         result["plan"] = planned.plan.to_dict()
@@ -655,12 +665,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         plan.save(path)
         micro, acc = marked["micro_batch"], marked["accumulate_grad_batches"]
         result["plan"] = marked["plan"]
-        result["train_overrides"] = train_overrides(path, micro, acc)
+        result["train_overrides"] = train_overrides(path, micro, acc, sequence)
         ranks = (f" on each of {sharding.world_size} FSDP2 ranks (trainer=fsdp, "
                  "trainer.devices x trainer.num_nodes = world_size)"
                  if sharding.world_size > 1 else "")
         report_log.info(f"plan for micro-batch {micro} x accumulate_grad_batches {acc} (the "
-                        f"fastest that fits{ranks}):\n" + _plan_lines(plan, marked["seconds"])
+                        f"fastest that fits{ranks}):\n"
+                        + _plan_lines(plan, marked["seconds"], measured)
                         + f"\nplan written to {path}; train with it:\n  python train.py "
                         + " ".join(shlex.quote(o) for o in result["train_overrides"]))
     (out / "plan_report.json").write_text(json.dumps(

@@ -65,6 +65,32 @@ def test_device_by_hand():
     assert spec.memory_bytes == 48 * 10**9 and spec.flops_for("bf16-mixed") == 300e12
     with pytest.raises(ValueError, match="missing bandwidth"):
         get_device({"name": "x", "memory_bytes": 1, "fp32_flops": 1, "bf16_flops": 1})
+    assert spec.host_bandwidth == 0  # no host link given: nothing is offloaded
+    both = {"name": "mygpu", "memory_bytes": 48e9, "fp32_flops": 40e12, "bf16_flops": 300e12,
+            "bandwidth": 1.5e12}
+    assert get_device({**both, "host_bandwidth": 32e9}).host_bandwidth == 32e9
+    assert get_device({**both, "host_bandwidth": None}).host_bandwidth == 0
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("host_bandwidth", -1, "host_bandwidth=-1: must be a finite number > 0"),
+    ("host_bandwidth", 0, "host_bandwidth=0: must be a finite number > 0"),
+    ("host_bandwidth", float("nan"), "host_bandwidth=nan: must be a finite number > 0"),
+    ("host_bandwidth", float("inf"), "host_bandwidth=inf: must be a finite number > 0"),
+    ("host_bandwidth", True, "host_bandwidth: must be a number"),
+    ("host_bandwidth", "abc", "host_bandwidth: must be a number"),
+    ("fp32_flops", 0, "fp32_flops=0: must be a finite number > 0"),
+    ("bandwidth", -1.5e12, "bandwidth=-1500000000000.0: must be a finite number > 0"),
+    ("memory_bytes", "48 GB", "memory_bytes: must be a number"),
+])
+def test_device_by_hand_refuses_figures_that_are_not_positive_numbers(key, value, message):
+    """A negative, zero, infinite or non-numeric figure is named (it planned silently
+    without offload, divided by zero, or printed a negative step time)."""
+    device = {"name": "mygpu", "memory_bytes": 48e9, "fp32_flops": 40e12,
+              "bf16_flops": 300e12, "bandwidth": 1.5e12, key: value}
+    with pytest.raises(ValueError) as err:
+        get_device(device, key="strategy.device")
+    assert str(err.value).startswith(f"strategy.device.{message}")
 
 
 def test_budget_strategy_checks_its_keys_at_construction():

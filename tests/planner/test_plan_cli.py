@@ -157,7 +157,9 @@ def test_the_report_reaches_plan_log_and_the_console_once(tmp_path, capsys):
     with _hydra_job_logging(cfg):
         result = plan_run(cfg)
     command = "  python train.py " + " ".join(result["train_overrides"])
+    # a sequence model: train.yaml's monitor (a segmentation model's val/dice) is replaced
     assert command == (f"  python train.py model=gpt_tiny +data.block_size=32 data.batch_size=1 "
+                       f"monitor=val/loss monitor_mode=min "
                        f"strategy=plan strategy.path={tmp_path / 'plan.json'}")
     console = capsys.readouterr().out.splitlines()
     head = ("plan for GPT, batch 1, size 32, 32-true, on NVIDIA H100 SXM5 80GB (h100; NVIDIA "
@@ -186,7 +188,8 @@ def test_effective_batch_writes_the_marked_micro_batch_plan_and_its_command(tmp_
     assert saved == result["plan"] == marked[0]["plan"]
     assert result["train_overrides"] == [
         "model=gpt_tiny", "+data.block_size=32", "data.batch_size=2",
-        "accumulate_grad_batches=1", "strategy=plan", f"strategy.path={path}"]
+        "accumulate_grad_batches=1", "monitor=val/loss", "monitor_mode=min", "strategy=plan",
+        f"strategy.path={path}"]
     printed = "\n".join(r.getMessage() for r in caplog.records).splitlines()
     assert ("plan for micro-batch 2 x accumulate_grad_batches 1 (the fastest that fits):"
             in printed)
@@ -251,11 +254,19 @@ def test_the_printed_train_command_chooses_an_experiment_as_train_py_does(tmp_pa
 
     compose_app("plan", tmp_path / "plan", ["+experiment=shakespeare_gpt", "memory=1GiB",
                                             "data.batch_size=4"])
-    overrides = train_overrides(tmp_path / "plan.json")
+    overrides = train_overrides(tmp_path / "plan.json", sequence=True)
     assert overrides == ["experiment=shakespeare_gpt", "data.batch_size=4", "strategy=plan",
                          f"strategy.path={tmp_path / 'plan.json'}"]
     cfg = compose_train(tmp_path / "train", overrides)
     assert cfg.monitor == "val/loss" and cfg.strategy.path == str(tmp_path / "plan.json")
+    # without an experiment a sequence model's command sets the monitor itself (train.yaml's
+    # val/dice is a segmentation metric: the printed command failed after validation)
+    compose_app("plan", tmp_path / "plan2", ["model=gpt_tiny", "data=tinyshakespeare",
+                                             "memory=1GiB"])
+    overrides = train_overrides(tmp_path / "plan.json", sequence=True)
+    assert overrides[-4:-2] == ["monitor=val/loss", "monitor_mode=min"]
+    cfg = compose_train(tmp_path / "train2", overrides)
+    assert (cfg.monitor, cfg.monitor_mode) == ("val/loss", "min")
 
 
 def test_remat_plan_does_not_overwrite_a_plan_a_run_may_train_with(tmp_path):

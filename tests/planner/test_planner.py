@@ -158,6 +158,12 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
     assert "parameters" in text and "optimizer_state" in text
     assert "largest unit" in text and "bf16-mixed" in text
     assert "data.batch_size=" in text and "data.block_size=" in text
+    # the least budget that holds the floor with its margin, which then plans
+    least = math.ceil(planner.budget_for(floor.allocator_peak) / 2**20)
+    assert f"the least budget that holds it with its margin is strategy.memory={least}MiB" \
+        in text
+    plan = planner.plan(f"{least}MiB").plan
+    assert plan.predicted_allocator_peak_bytes + plan.margin_bytes <= least * 2**20
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ second), and its memory is the machine's RAM (``os.sysconf``).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -106,7 +107,9 @@ def _unknown(name: str, key: str) -> PlanInputError:
     return PlanInputError(
         f"{key}={name!r}: unknown device; known: {', '.join(known_devices())}. For another "
         f"device give its figures by hand: {key}={{name: mygpu, memory_bytes: 48e9, "
-        "fp32_flops: 40e12, bf16_flops: 300e12, bandwidth: 1.5e12} (FLOP/s and bytes/s)")
+        "fp32_flops: 40e12, bf16_flops: 300e12, bandwidth: 1.5e12, host_bandwidth: 32e9} "
+        "(FLOP/s and bytes/s; host_bandwidth, the PCIe link one way, is optional: without it "
+        "nothing is offloaded)")
 
 
 @functools.cache
@@ -173,6 +176,25 @@ def present_device_name(accelerator: str = "auto") -> str:
     return present.name if present is not None else torch.cuda.get_device_name().lower()
 
 
+def _figure(fields: dict, name: str, key: str) -> float:
+    """``fields[name]`` as a finite number > 0.
+
+    Raises:
+        PlanInputError: naming ``key.name``: not a number (a bool too), not finite, or <= 0.
+    """
+    value = fields[name]
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PlanInputError(f"{key}.{name}: must be a number (bytes, FLOP/s or bytes/s), "
+                             f"got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise PlanInputError(f"{key}.{name}={value!r}: must be a finite number > 0")
+    return number
+
+
 def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") -> DeviceSpec:
     """The :class:`DeviceSpec` for a name, a mapping of figures, or ``auto``.
 
@@ -183,7 +205,9 @@ def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") ->
 
     Raises:
         ValueError: unknown name (the message lists the known ones and how to give figures by
-            hand), a mapping missing figures, a present GPU not in the table under ``auto``.
+            hand), a mapping missing figures or with a figure that is not a finite number
+            > 0 (``host_bandwidth`` may be left out or null: no host link), a present GPU
+            not in the table under ``auto``.
     """
     if isinstance(device, DeviceSpec):
         return device
@@ -194,14 +218,13 @@ def get_device(device: str | dict | DeviceSpec, key: str = "strategy.device") ->
         if missing:
             raise PlanInputError(f"{key}: a device given by hand needs {', '.join(need)}; "
                              f"missing {', '.join(missing)}")
-        try:
-            return DeviceSpec(str(fields["name"]), str(fields.get("title", fields["name"])),
-                              int(float(fields["memory_bytes"])), float(fields["fp32_flops"]),
-                              float(fields["bf16_flops"]), float(fields["bandwidth"]),
-                              str(fields.get("source", "given by hand")),
-                              float(fields.get("host_bandwidth", 0.0)))
-        except (TypeError, ValueError) as err:
-            raise PlanInputError(f"{key}: device figures must be numbers ({err})") from err
+        figures = {k: _figure(fields, k, key) for k in need[1:]}
+        host = fields.get("host_bandwidth")
+        return DeviceSpec(str(fields["name"]), str(fields.get("title", fields["name"])),
+                          int(figures["memory_bytes"]), figures["fp32_flops"],
+                          figures["bf16_flops"], figures["bandwidth"],
+                          str(fields.get("source", "given by hand")),
+                          0.0 if host is None else _figure(fields, "host_bandwidth", key))
     name = str(device).strip().lower().replace("-", "_")
     if name == "auto":
         present = _present_cuda()

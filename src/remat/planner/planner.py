@@ -590,7 +590,9 @@ class Planner:
         lines = [f"{self._key('memory')}={format_bytes(budget)}: no plan fits. The smallest "
                  f"peak any plan reaches is {format_bytes(floor.allocator_peak)} (+ margin "
                  f"{format_bytes(margin)}) at batch {self.batch_size}, size {self.size}, "
-                 f"{self.precision}, on {self.spec.name}.",
+                 f"{self.precision}, on {self.spec.name}: the least budget that holds it "
+                 f"with its margin is {self._key('memory')}="
+                 f"{math.ceil(self.budget_for(floor.allocator_peak) / 2**20)}MiB.",
                  f"  at that peak: {parts}",
                  f"  largest unit's internals (recomputed one at a time): "
                  f"{format_bytes(largest)}",

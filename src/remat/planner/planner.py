@@ -230,9 +230,10 @@ class Planner:
             present = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             if (present.type == "cpu") != (self.spec.name == "cpu"):
                 here = "cpu" if present.type == "cpu" else "auto"
-                raise PlanInputError(f"strategy.calibrate=true times the units on the device "
-                                 f"present ({present.type}), not on {self.spec.name}: plan "
-                                 f"with strategy.device={here} or without calibrate")
+                raise PlanInputError(f"{self._key('calibrate')}=true times the units on the "
+                                     f"device present ({present.type}), not on "
+                                     f"{self.spec.name}: plan with {self._key('device')}={here}"
+                                     " or without calibrate")
             calibrate_profile(self.profile, lambda: build(NoCheckpoint()), batch_size, size,
                               precision, present)
         self.none = self.cache[repr(NoCheckpoint())]

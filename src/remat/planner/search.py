@@ -177,15 +177,6 @@ def evaluate_chain(blocks: Sequence[Block], segments: Sequence[tuple[int, int, s
     return Option(kept, transient, time, flops, list(segments))
 
 
-def _pareto(labels: Iterable[Option]) -> list[Option]:
-    """Options not dominated in (kept, time), sorted by kept."""
-    out: list[Option] = []
-    for opt in sorted(labels, key=lambda o: (o.kept, o.time, o.flops)):
-        if not out or opt.time < out[-1].time - 1e-15:
-            out.append(opt)
-    return out
-
-
 #: A partial plan in :func:`chain_frontier`: ``(kept, time, flops, transient, segment,
 #: previous label or None)``; the segments are read back along the previous labels, so a
 #: label costs no copy of its plan.
@@ -195,7 +186,7 @@ _BY_KEPT_TIME = operator.itemgetter(0, 1, 2)
 
 
 def _pareto_labels(labels: list[_Label]) -> list[_Label]:
-    """:func:`_pareto` for labels."""
+    """Labels not dominated in (kept, time), sorted by kept (ties: time, FLOPs)."""
     out: list[_Label] = []
     labels.sort(key=_BY_KEPT_TIME)
     for lab in labels:

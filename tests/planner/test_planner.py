@@ -175,6 +175,7 @@ def gpt_long(tmp_path_factory):
     return build.with_strategy, batch, size
 
 
+@pytest.mark.slow  # two planners at 512 tokens, one tracing every candidate: 35 s
 def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(gpt_long, monkeypatch):
     """One segment over the 4 blocks is modelled at 3x the floor and not traced. The
     floor, the plans (same targets, same traces) and the infeasible message are those of

@@ -146,7 +146,9 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
         where = strategy.origin if strategy.resumed else None
         check_plan_fits(strategy.plan, cfg, strategy.path, where)
         warn_if_other_device(strategy.plan, cfg, strategy.path, where)
-        log.info(f"training with the plan of {strategy.origin}:\n{strategy.plan.summary()}")
+        if not strategy.resumed:  # resumed_replay logged it, with what became of the file
+            log.info(f"training with the plan of {strategy.origin}:\n"
+                     f"{strategy.plan.summary()}")
     return strategy
 
 

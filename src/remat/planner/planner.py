@@ -361,10 +361,11 @@ class Planner:
                 if best is None or peak < best[0]:
                     best = (peak, choice)
             plans = [self._plan_of(best[1])]
-            # with a host link an offloaded segment keeps less than the same recompute
-            # segment and replays the same: the fixed partitions offload theirs
-            mode = "offload" if self.spec.host_bandwidth > 0 and self.objective == "time" \
-                else "recompute"
+            # where the search may offload (to_block priced it), an offloaded segment keeps
+            # less than the same recompute segment and replays the same: the fixed
+            # partitions offload theirs
+            mode = "offload" if any(b.host_seconds_per_byte > 0 for bl in self.blocks.values()
+                                    for b in bl) else "recompute"
             for segments in (full_segments, sqrt_segments_of, one_segment,
                              lambda n: k_segments(n, 2), lambda n: k_segments(n, 4)):
                 plans.append(self._plan_of({u.path: self._option(u.path, [

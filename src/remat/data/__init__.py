@@ -15,6 +15,7 @@ from remat.data.cvc_clinicdb import CVCClinicDBDataModule
 from remat.data.deepglobe_road import DeepGlobeRoadDataModule
 from remat.data.drive import DRIVEDataModule
 from remat.data.dubai_aerial import DubaiAerialDataModule
+from remat.data.folder import FolderSegDataModule
 from remat.data.inria import InriaDataModule
 from remat.data.io import DataFileError
 from remat.data.isbi2012 import ISBI2012DataModule
@@ -35,6 +36,7 @@ __all__ = [
     "DeepGlobeRoadDataModule",
     "DRIVEDataModule",
     "DubaiAerialDataModule",
+    "FolderSegDataModule",
     "InriaDataModule",
     "ISBI2012DataModule",
     "ISIC2018DataModule",

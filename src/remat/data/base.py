@@ -137,6 +137,7 @@ class FileSegDataModule(SplitDataModule):
     num_classes: ClassVar[int] = 1
     ignore_index: ClassVar[int] = IGNORE_INDEX
     default_image_mode: ClassVar[str] = "rgb"
+    image_modes: ClassVar[tuple[str, ...]] = IMAGE_MODES
 
     def __init__(self, root: str | Path | None, *, batch_size: int = 4,
                  eval_batch_size: int | None = 1, num_workers: int = 0,
@@ -147,8 +148,9 @@ class FileSegDataModule(SplitDataModule):
                          eval_batch_size=eval_batch_size)
         check_limits(limit_train=limit_train, limit_val=limit_val)
         self.image_mode = image_mode or self.default_image_mode
-        if self.image_mode not in IMAGE_MODES:
-            raise ValueError(f"data.image_mode must be one of {IMAGE_MODES}, got {image_mode!r}")
+        if self.image_mode not in self.image_modes:
+            raise ValueError(f"data.image_mode must be one of {self.image_modes}, got "
+                             f"{image_mode!r}")
         self.root = root
         self.split_file = split_file
         self.limit_train = limit_train

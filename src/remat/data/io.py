@@ -190,26 +190,34 @@ _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, the weights of Pillow's convert("L
 
 
 def _tiff_array(path: Path, expected: str) -> np.ndarray:
-    """``[C, H, W]`` of a TIFF read with tifffile (any bit depth, any number of channels)."""
+    """``[C, H, W]`` of a TIFF read with tifffile (any bit depth, any number of channels).
+
+    The axes come from the file (tifffile's series axes): ``Y``/``X`` are the pixels, the
+    samples (``S``) or channel (``C``) axis the channels; a file with one more axis of
+    another kind (pages ``Q``/``I``, e.g. channels written as pages) has it read as channels
+    when it holds at most :data:`_MAX_CHANNELS` entries."""
     import tifffile
 
     try:
-        array = np.asarray(tifffile.imread(path))
+        with tifffile.TiffFile(path) as tif:
+            series = tif.series[0]
+            array, axes = np.asarray(series.asarray()), str(series.axes)
     except Exception as err:  # tifffile raises several types for a bad file
         raise DataFileError(path=path, problem=f"cannot be decoded ({_first_line(err)})",
                             expected=expected) from err
-    array = np.squeeze(array)
-    if array.ndim == 2:
+    keep = [i for i, n in enumerate(array.shape) if n != 1 or axes[i] in "YX"]
+    array = array.reshape([array.shape[i] for i in keep])
+    axes = "".join(axes[i] for i in keep)
+    if axes == "YX":
         return array[None]
-    if array.ndim == 3:
-        if array.shape[-1] <= _MAX_CHANNELS < min(array.shape[:2]) or \
-                array.shape[-1] <= 4 < array.shape[0]:
-            return np.moveaxis(array, -1, 0)  # [H, W, C] (Pillow's and most writers' order)
-        if array.shape[0] <= _MAX_CHANNELS:
-            return array  # [C, H, W] (planar)
-    raise DataFileError(path=path, problem=f"holds an array of shape {array.shape}",
-                        expected=f"{expected} ([H, W], [H, W, C] or [C, H, W], C <= "
-                        f"{_MAX_CHANNELS}; a multi-page stack is a volume, not an image)")
+    if len(axes) == 3 and "Y" in axes and "X" in axes:
+        other = next(i for i, a in enumerate(axes) if a not in "YX")
+        if array.shape[other] <= _MAX_CHANNELS:
+            order = [other, axes.index("Y"), axes.index("X")]
+            return np.transpose(array, order)
+    raise DataFileError(path=path, problem=f"holds an array of shape {array.shape} (axes "
+                        f"{axes})", expected=f"{expected} (Y and X, and at most one channel "
+                        f"axis of <= {_MAX_CHANNELS}; a stack of slices is a volume)")
 
 
 def _pillow_array(path: Path, expected: str) -> np.ndarray:

@@ -24,7 +24,7 @@ from torchvision.transforms import v2
 
 from remat.data.base import FileSegDataModule
 from remat.data.masks import IGNORE_INDEX
-from remat.data.pairs import IMAGE_MODES, ImageMaskPair, MaskDecoder, load_pair
+from remat.data.pairs import IMAGE_MODES, ImageMaskPair, ImageReader, MaskDecoder, load_pair
 from remat.data.patches import PatchSampler, crop_pad
 from remat.data.sizes import as_pair
 from remat.data.splits import split_ids
@@ -60,8 +60,8 @@ class PatchSegDataset(Dataset):
     def __init__(self, pairs: Sequence[ImageMaskPair], decode_mask: MaskDecoder,
                  train: bool, sampler: PatchSampler | None = None, patches_per_image: int = 1,
                  image_mode: str = "rgb", augment: bool = True, ignore_index: int = IGNORE_INDEX,
-                 cache: bool = False) -> None:
-        if image_mode not in IMAGE_MODES:
+                 cache: bool = False, image_reader: ImageReader | None = None) -> None:
+        if image_reader is None and image_mode not in IMAGE_MODES:
             raise ValueError(f"image_mode must be one of {IMAGE_MODES}, got {image_mode!r}")
         if train and sampler is None:
             raise ValueError("a training PatchSegDataset needs a PatchSampler")
@@ -75,6 +75,7 @@ class PatchSegDataset(Dataset):
         self.image_mode = image_mode
         self.ignore_index = ignore_index
         self.cache = cache
+        self.image_reader = image_reader
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         steps: list[v2.Transform] = []
         if train and augment:
@@ -91,17 +92,27 @@ class PatchSegDataset(Dataset):
         uint8 ``[H, W]``, FOV bool ``[H, W]`` or None, after checking that their sizes agree."""
         if index in self._cache:
             return self._cache[index]
-        loaded = load_pair(self.pairs[index], self.image_mode, self.decode_mask)
+        loaded = load_pair(self.pairs[index], self.image_mode, self.decode_mask,
+                           self.image_reader)
         if self.cache:
             self._cache[index] = loaded
         return loaded
+
+    def transform_for(self, image: torch.Tensor) -> v2.Transform:
+        """The joint transform of a sample whose decoded image is ``image`` (subclasses pick
+        one by dtype and channels); by default the one built at construction."""
+        return self.transform
+
+    def finish(self, image: torch.Tensor) -> torch.Tensor:
+        """The transformed float image ``[C, h, w]`` as served (default: as it is)."""
+        return image
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} items")
         pair_index = index // self.patches_per_image
         image, mask, valid = self.load(pair_index)
-        if self.image_mode == "grey_rgb":
+        if self.image_mode == "grey_rgb" and image.shape[0] == 1:
             image = image.expand(3, -1, -1)
         if self.train:
             assert self.sampler is not None
@@ -113,9 +124,9 @@ class PatchSegDataset(Dataset):
         parts = {"image": tv_tensors.Image(image), "mask": tv_tensors.Mask(mask)}
         if valid is not None:
             parts["valid"] = tv_tensors.Mask(valid)
-        parts = self.transform(parts)
+        parts = self.transform_for(image)(parts)
         sample: dict[str, Any] = {
-            "image": parts["image"].as_subclass(torch.Tensor),
+            "image": self.finish(parts["image"].as_subclass(torch.Tensor)),
             "mask": parts["mask"].as_subclass(torch.Tensor).long(),
             "name": self.pairs[pair_index].name,
         }

@@ -39,11 +39,20 @@ from torchmetrics.segmentation import DiceScore, MeanIoU
 METRIC_SETS = ("per_image", "binary_pooled", "multiclass")
 
 
+def resolve_metric_set(kind: str, num_classes: int) -> str:
+    """``model.metrics``, with ``auto`` resolved: ``per_image`` for a binary model
+    (``num_classes == 1``), ``multiclass`` otherwise; other names as given."""
+    if kind == "auto":
+        return "per_image" if num_classes == 1 else "multiclass"
+    return kind
+
+
 class SegmentationMetrics(nn.Module):
     """One benchmark's metric set over predictions and targets ``[B, H, W]`` (int64).
 
     Args:
-        kind: one of :data:`METRIC_SETS` (definitions in the module docstring).
+        kind: one of :data:`METRIC_SETS` (definitions in the module docstring), or
+            ``"auto"`` (:func:`resolve_metric_set`).
         num_classes: model output channels, 1 = binary (class indices 0/1).
         ignore_index: target value that is excluded from every score.
         class_names: names for ``iou_<name>`` (``multiclass``); default ``class<i>``.
@@ -56,8 +65,10 @@ class SegmentationMetrics(nn.Module):
     def __init__(self, kind: str = "per_image", num_classes: int = 1, ignore_index: int = 255,
                  class_names: Sequence[str] | None = None) -> None:
         super().__init__()
+        kind = resolve_metric_set(kind, num_classes)
         if kind not in METRIC_SETS:
-            raise ValueError(f"model.metrics must be one of {METRIC_SETS}, got {kind!r}")
+            raise ValueError(f"model.metrics must be auto or one of {METRIC_SETS}, got "
+                             f"{kind!r}")
         if kind == "binary_pooled" and num_classes != 1:
             raise ValueError(f"model.metrics=binary_pooled needs model.num_classes=1 (binary), "
                              f"got {num_classes}")

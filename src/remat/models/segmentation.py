@@ -31,6 +31,10 @@ def build_smp_model(arch: str, encoder_name: str, encoder_weights: str | None,
         raise ValueError(f"model.arch / model.encoder_name: {err.args[0]}") from err
 
 
+#: whole images are padded to a multiple of this for one forward pass (smp encoders: 32)
+SIZE_DIVISOR = 32
+
+
 class SegmentationModule(StrategyModule):
     """Binary or multiclass segmentation of ``{"image": [B,3,H,W], "mask": [B,H,W]}`` batches.
 
@@ -121,11 +125,19 @@ class SegmentationModule(StrategyModule):
         return self.net(images)
 
     def infer(self, images: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, num_classes, H, W]`` of whole images: sliding-window inference when
-        ``inference`` is set (under ``no_grad``), else one forward pass."""
-        if self.window is None:
+        """Logits ``[B, num_classes, H, W]`` of whole images at their own size: sliding-window
+        inference when ``inference`` is set (under ``no_grad``), else one forward pass, with
+        sides that are no multiple of :data:`SIZE_DIVISOR` padded (reflect) up to one and the
+        logits cropped back (encoders that downsample 32x need such sizes)."""
+        if self.window is not None:
+            return sliding_window_inference(self, images, self.window)
+        height, width = images.shape[-2:]
+        pad_h, pad_w = -height % SIZE_DIVISOR, -width % SIZE_DIVISOR
+        if not pad_h and not pad_w:
             return self(images)
-        return sliding_window_inference(self, images, self.window)
+        mode = "reflect" if pad_h < height and pad_w < width else "replicate"
+        padded = torch.nn.functional.pad(images, (0, pad_w, 0, pad_h), mode=mode)
+        return self(padded)[..., :height, :width]
 
     def target(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The batch's mask ``[B, H, W]`` with pixels outside ``batch["valid"]`` (if any) set
@@ -165,6 +177,17 @@ class SegmentationModule(StrategyModule):
         if self.binary:
             return (logits[:, 0] > 0).long()
         return logits.argmax(dim=1)
+
+    def setup(self, stage: str) -> None:
+        """Take the datamodule's class names for per-class metric keys (``iou_<name>``)
+        when ``model.class_names`` is unset and the counts agree."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer else None
+        names = getattr(datamodule, "class_names", None)
+        if self.hparams.get("class_names") or not names:
+            return
+        for metrics in self.metrics.values():
+            if metrics.kind == "multiclass" and len(names) == metrics.num_classes:
+                metrics.class_names = list(names)
 
     def on_train_start(self) -> None:
         warn_if_schedule_ends_early(self.trainer)

@@ -1,0 +1,299 @@
+"""data=folder: a user's own images and masks, written here in the layouts users keep them in
+(0/255 and 0/1 PNGs, label maps, palette PNGs, RGB colour masks, 16-bit and multi-channel
+TIFFs), and the data check that stops a run whose labels cannot be right."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+import torch
+from PIL import Image
+
+from remat.data import FolderSegDataModule, KvasirSegDataModule
+from remat.data.folder import glob_names
+from remat.data.verify import DataCheckError
+from remat.train import train
+from tests.data.fakes import binary_labels, blocks, paint, save, save_palette_png
+from tests.helpers import TINY_TRAINER, compose_train
+
+COLOURS = [(0, 0, 0), (255, 0, 0), (0, 128, 255)]
+
+
+def write_folder(root: Path, n: int = 5, size: tuple[int, int] = (24, 32), encoding: str = "255",
+                 classes: int = 2, image_suffix: str = ".png", mask_suffix: str = ".png",
+                 seed: int = 0) -> dict[str, np.ndarray]:
+    """``images/case<i><image_suffix>`` + ``masks/case<i><mask_suffix>``; returns the labels
+    drawn (class indices) by name. ``encoding``: ``255`` (0/255 grey), ``01`` (0/1 grey),
+    ``index`` (grey label map), ``palette`` (mode P), ``colors`` (RGB, :data:`COLOURS`)."""
+    labels = {}
+    for i in range(n):
+        name = f"case{i}"
+        drawn = (binary_labels(*size, seed=seed + i) if classes == 2
+                 else blocks(*size, classes=classes, seed=seed + i, block=4))
+        labels[name] = drawn
+        save(paint(drawn, seed=i), root / "images" / f"{name}{image_suffix}")
+        mask_path = root / "masks" / f"{name}{mask_suffix}"
+        if encoding == "255":
+            save((drawn * 255).astype(np.uint8), mask_path)
+        elif encoding in ("01", "index"):
+            save(drawn.astype(np.uint8), mask_path)
+        elif encoding == "palette":
+            save_palette_png(drawn, COLOURS, mask_path)
+        elif encoding == "colors":
+            save(np.array(COLOURS, dtype=np.uint8)[drawn], mask_path)
+    return labels
+
+
+def decoded(dm: FolderSegDataModule) -> dict[str, np.ndarray]:
+    """Every pair's decoded mask by name."""
+    decode = dm.mask_decoder()
+    return {name: decode(pair.mask).numpy() for name, pair in dm.pairs.items()}
+
+
+@pytest.mark.parametrize("encoding,options", [
+    ("255", {}), ("01", {}), ("index", {"mask_encoding": "index"}),
+])
+def test_binary_masks_decode_to_the_drawn_labels_whatever_the_storage(tmp_path, encoding,
+                                                                        options):
+    labels = write_folder(tmp_path, encoding=encoding)
+    dm = FolderSegDataModule(tmp_path, patch_size=16, **options)
+    dm.setup("fit")
+    assert dm.num_classes == 1 and dm.class_names == ("background", "foreground")
+    for name, mask in decoded(dm).items():
+        np.testing.assert_array_equal(mask, labels[name])
+    # 5 pairs, val_fraction 0.2: 1 val, seeded, disjoint, every pair used once
+    assert len(dm.splits["val"]) == 1 and len(dm.splits["train"]) == 4
+    assert sorted(dm.splits["train"] + dm.splits["val"]) == sorted(labels)
+
+
+@pytest.mark.parametrize("encoding,options", [
+    ("index", {"mask_encoding": "index", "num_classes": 3}),
+    ("palette", {"mask_encoding": "palette", "num_classes": 3}),
+    ("colors", {"mask_encoding": "colors",
+                "colors": {"background": "#000000", "tumour": "#FF0000", "vessel": [0, 128, 255]}}),
+])
+def test_three_class_masks_in_each_encoding(tmp_path, encoding, options):
+    labels = write_folder(tmp_path, encoding=encoding, classes=3)
+    dm = FolderSegDataModule(tmp_path, patch_size=16, **options)
+    dm.setup("fit")
+    assert dm.num_classes == 3
+    for name, mask in decoded(dm).items():
+        np.testing.assert_array_equal(mask, labels[name])
+    if encoding == "colors":
+        assert dm.class_names == ("background", "tumour", "vessel")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["image"].shape == (4, 3, 16, 16) and batch["image"].dtype == torch.float32
+    assert set(batch["mask"].unique().tolist()) <= {0, 1, 2}
+
+
+def test_values_outside_the_classes_are_named_before_training(tmp_path):
+    write_folder(tmp_path, encoding="index", classes=3)
+    bad = tmp_path / "masks" / "case2.png"
+    array = np.asarray(Image.open(bad)).copy()
+    array[0, :5] = 7
+    save(array, bad)
+    dm = FolderSegDataModule(tmp_path, mask_encoding="index", num_classes=3, patch_size=16)
+    with pytest.raises(DataCheckError) as info:
+        dm.setup("fit")
+    assert (f"{bad}: holds value(s) outside the classes: 7 (5 px); expected a single-channel "
+            "PNG label map with values 0..2 (classes) or 255 (ignored)") in str(info.value)
+    # a palette file is refused under index when its colours differ, a grey one under palette
+    with pytest.raises(ValueError, match="is a mode L image, not a palette PNG"):
+        FolderSegDataModule(tmp_path, mask_encoding="palette", num_classes=3)\
+            .mask_decoder()(tmp_path / "masks" / "case0.png")
+
+
+def test_sixteen_bit_tiff_images_and_multichannel_tiffs(tmp_path):
+    labels = write_folder(tmp_path, n=3, encoding="255")
+    for i, name in enumerate(labels):
+        (tmp_path / "images" / f"{name}.png").unlink()
+        grey16 = (labels[name].astype(np.uint16) * 40000 + 1000 + 7 * i).astype(np.uint16)
+        tifffile.imwrite(tmp_path / "images" / f"{name}.tif", grey16)
+    dm = FolderSegDataModule(tmp_path, patch_size=16, val_fraction=0.34)
+    dm.setup("fit")
+    image = dm.val_set[0]["image"]
+    name = dm.val_set[0]["name"]
+    assert image.shape == (3, 24, 32)  # grey repeated to rgb; whole image at native size
+    # 16-bit values kept (not clipped to 8 bits): the per-image z-score of 'auto' separates
+    # foreground from background exactly where the labels say
+    fg = torch.from_numpy(labels[name]).bool()
+    assert image[0][fg].min() > image[0][~fg].max()
+    assert abs(float(image[0].mean())) < 1e-5
+    assert abs(float(image[0].std(unbiased=False)) - 1) < 1e-4
+
+    # a 5-channel TIFF: refused under rgb with the fix, served whole under native
+    cube = np.stack([labels["case0"].astype(np.float32) * (c + 1) for c in range(5)])
+    # planar bands, as GDAL and microscopy software write them
+    tifffile.imwrite(tmp_path / "images" / "case0.tif", cube, photometric="minisblack",
+                     planarconfig="separate")
+    dm = FolderSegDataModule(tmp_path, patch_size=16, val_fraction=0.34)
+    with pytest.raises(DataCheckError, match=r"case0.tif: has 5 channels; expected a grey or RGB "
+                                             r"image for data.image_mode=rgb; for 5 channels set "
+                                             r"data.image_mode=native and model.in_channels=5"):
+        dm.setup("fit")
+    dm = FolderSegDataModule(tmp_path, patch_size=16, image_mode="native", val_fraction=0.34,
+                             verify=False)
+    assert dm.in_channels == 5
+    dm.setup("fit")
+    whole = dm.build_dataset([dm.pairs["case0"]], train=False)[0]["image"]
+    assert whole.shape == (5, 24, 32) and whole.dtype == torch.float32
+    # float bands normalised per whole image and channel ('auto'): zero mean, unit std ...
+    flat = whole.reshape(5, -1)
+    assert torch.allclose(flat.mean(1), torch.zeros(5), atol=1e-5)
+    assert torch.allclose(flat.std(1, unbiased=False), torch.ones(5), atol=1e-4)
+    # ... and a training patch cut from it keeps the whole image's values (not its own stats)
+    patch = dm.build_dataset([dm.pairs["case0"]], train=True)[0]["image"]
+    assert patch.shape == (5, 16, 16)
+    assert set(patch[0].flatten().tolist()) <= set(whole[0].flatten().tolist())
+
+
+def test_size_mismatch_names_both_files(tmp_path):
+    write_folder(tmp_path, n=3)
+    save(np.zeros((10, 10), dtype=np.uint8), tmp_path / "masks" / "case1.png")
+    dm = FolderSegDataModule(tmp_path, patch_size=8)
+    with pytest.raises(DataCheckError, match=r"masks/case1.png: size mismatch for case1: its "
+                                             r"image .*images/case1.png is 32x24 \(WxH\) but this "
+                                             r"file is 10x10"):
+        dm.setup("fit")
+
+
+def test_an_empty_label_split_does_not_start_a_run(tmp_path):
+    """Every mask black: the run stops before its first step, naming the split."""
+    write_folder(tmp_path, n=4)
+    for mask in (tmp_path / "masks").iterdir():
+        save(np.zeros((24, 32), dtype=np.uint8), mask)
+    out = tmp_path / "run"
+    cfg = compose_train(out, [*TINY_TRAINER, "data=folder", f"data.root={tmp_path}",
+                              "data.patch_size=16", "data.batch_size=2"])
+    with pytest.raises(DataCheckError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert "the train split has no foreground: its 3 mask(s) hold class 0 (background) only" \
+        in message and "the val split has no foreground" in message
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 0
+    assert not (out / "checkpoints").exists()
+
+
+def test_zero_one_masks_under_a_threshold_are_reported(tmp_path):
+    """The trap of the issue: 0/1 label maps read by a 128 threshold (Kvasir's decoder, or
+    data.threshold=128) train on empty labels; the check names each file and the fix."""
+    write_folder(tmp_path, n=4, encoding="01")
+    dm = FolderSegDataModule(tmp_path, threshold=128, patch_size=16)
+    with pytest.raises(DataCheckError) as info:
+        dm.setup("fit")
+    message = str(info.value)
+    assert message.count("holds only the values 0 and 1 (a label map?), which a threshold of "
+                         "128 reads as no foreground; for 0/1 masks use data=folder with "
+                         "data.mask_encoding=index") == 4
+    assert "the train split has no foreground" in message
+    # the same files in Kvasir-SEG's layout (JPEG, 0/1): refused before training as well
+    kvasir = tmp_path / "Kvasir-SEG"
+    write_folder(kvasir, n=4, encoding="01", image_suffix=".jpg", mask_suffix=".jpg")
+    with pytest.raises(DataCheckError, match=r"(?s)case0.jpg: holds only the values 0 and 1.*"
+                                             "the train split has no foreground"):
+        KvasirSegDataModule(kvasir, image_size=16, val_size=1).setup("fit")
+
+
+def test_jpeg_masks_without_a_threshold_are_reported(tmp_path):
+    write_folder(tmp_path, n=3, encoding="255", mask_suffix=".jpg")
+    with pytest.raises(DataCheckError, match=r"masks/case0.jpg: .*% of its pixels lie between 0 "
+                                             r"and \d+ \(compression noise"):
+        FolderSegDataModule(tmp_path, patch_size=16).setup("fit")
+    dm = FolderSegDataModule(tmp_path, patch_size=16, threshold=128)
+    dm.setup("fit")  # the fix the message gives
+
+
+def test_split_folders_csv_and_split_file(tmp_path):
+    for split, n in (("train", 3), ("val", 2), ("test", 1)):
+        write_folder(tmp_path / "tree" / split, n=n, seed=10 * n)
+    dm = FolderSegDataModule(tmp_path / "tree", patch_size=16)
+    dm.setup()
+    assert dm.splits == {"train": ["train/case0", "train/case1", "train/case2"],
+                         "val": ["val/case0", "val/case1"], "test": ["test/case0"]}
+    assert [b["name"] for b in dm.test_dataloader()] == [["test/case0"]]
+
+    flat = tmp_path / "flat"
+    write_folder(flat, n=4)
+    rows = ["image,mask,split"] + [f"images/case{i}.png,masks/case{i}.png,"
+                                   f"{'val' if i == 3 else 'train'}" for i in range(4)]
+    (flat / "pairs.csv").write_text("\n".join(rows) + "\n")
+    dm = FolderSegDataModule(flat, pairs=flat / "pairs.csv", patch_size=16)
+    dm.setup("fit")
+    assert dm.splits == {"train": ["images/case0", "images/case1", "images/case2"],
+                         "val": ["images/case3"]}
+    (flat / "split.yaml").write_text("train: [case0, case1]\nval: [case2, case3]\n")
+    dm = FolderSegDataModule(flat, split_file=flat / "split.yaml", patch_size=16)
+    dm.setup("fit")
+    assert dm.splits["val"] == ["case2", "case3"]
+    # the seeded val_fraction split is the same twice and moves with the seed
+    picks = {seed: FolderSegDataModule(flat, val_fraction=0.5, split_seed=seed) for seed in (1, 2)}
+    for dm in picks.values():
+        dm.setup()
+    again = FolderSegDataModule(flat, val_fraction=0.5, split_seed=1)
+    again.setup()
+    assert again.splits == picks[1].splits and len(picks[1].splits["val"]) == 2
+
+
+def test_globs_pair_names_with_suffixes_and_subfolders(tmp_path):
+    for name in ("a", "b"):
+        save(np.zeros((4, 4), dtype=np.uint8), tmp_path / "img" / "site1" / f"{name}.tif")
+        save(np.zeros((4, 4), dtype=np.uint8), tmp_path / "lab" / "site1" / f"{name}_mask.png")
+    (tmp_path / "img" / "site1" / "notes.txt").write_text("not an image")
+    assert list(glob_names(tmp_path, "img/**/*", "data.images")) == ["site1/a", "site1/b"]
+    assert list(glob_names(tmp_path, "lab/**/*_mask.png", "data.masks")) == ["site1/a", "site1/b"]
+    save(np.zeros((4, 4), dtype=np.uint8), tmp_path / "img" / "site1" / "a.png")
+    with pytest.raises(ValueError, match="both give the name 'site1/a'"):
+        glob_names(tmp_path, "img/**/*", "data.images")
+    with pytest.raises(FileNotFoundError, match=r"1 image\(s\) without a mask: .*c.png"):
+        save(np.zeros((4, 4), dtype=np.uint8), tmp_path / "images" / "c.png")
+        save(np.zeros((4, 4), dtype=np.uint8), tmp_path / "images" / "d.png")
+        save(np.zeros((4, 4), dtype=np.uint8), tmp_path / "masks" / "d.png")
+        FolderSegDataModule(tmp_path).setup()
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"mask_encoding": "rle"}, "data.mask_encoding must be one of"),
+    ({"mask_encoding": "binary", "num_classes": 3}, "use data.mask_encoding=index"),
+    ({"mask_encoding": "colors"}, "needs data.colors"),
+    ({"mask_encoding": "colors", "colors": ["#000000", "red"]}, r"data.colors\[1\]: 'red' is no "
+                                                               "colour"),
+    ({"mask_encoding": "index", "num_classes": 3, "ignore_index": 2}, "is one of the 3 class"),
+    ({"threshold": 300}, "data.threshold is a grey level"),
+    ({"val_fraction": 1.0}, "data.val_fraction must be between 0 and 1"),
+    ({"class_names": ["a", "b", "c"]}, "data.class_names has 3 names for 2 classes"),
+    ({"normalize": "zscore"}, "data.normalize must be one of"),
+])
+def test_bad_settings_name_the_key(options, match):
+    with pytest.raises(ValueError, match=match):
+        FolderSegDataModule("/nowhere", **options)
+
+
+def test_unset_root_says_how_to_set_it():
+    with pytest.raises(ValueError, match="data.root is not set for image folder"):
+        FolderSegDataModule(None).setup()
+
+
+@pytest.mark.parametrize("encoding,overrides,metric", [
+    ("01", [], "val/dice"),
+    ("palette", ["data.mask_encoding=palette", "data.num_classes=3",
+                 "data.class_names=[background,tumour,vessel]"], "val/iou_vessel"),
+])
+def test_training_on_a_folder_takes_the_classes_from_the_data_keys(tmp_path, encoding,
+                                                                   overrides, metric):
+    """model.num_classes, model.ignore_index and the metric set follow data=folder's keys;
+    val images (40x56, no multiple of 32) are scored whole at their own size."""
+    root = tmp_path / "my_data"
+    write_folder(root, n=6, size=(40, 56), encoding=encoding,
+                 classes=3 if encoding == "palette" else 2)
+    out = tmp_path / "run"
+    cfg = compose_train(out, [*TINY_TRAINER, "data=folder", f"data.root={root}",
+                              "data.patch_size=32", "data.batch_size=2", "data.val_fraction=0.34",
+                              *overrides, *([] if encoding == "01" else ["monitor=val/miou"])])
+    assert cfg.model.num_classes == (3 if encoding == "palette" else 1)
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["global_step"] == 2
+    assert 0.0 <= summary["metrics"][metric] <= 1.0

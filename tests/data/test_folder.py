@@ -297,3 +297,10 @@ def test_training_on_a_folder_takes_the_classes_from_the_data_keys(tmp_path, enc
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["global_step"] == 2
     assert 0.0 <= summary["metrics"][metric] <= 1.0
+
+
+def test_a_folder_without_the_layout_says_what_it_expected(tmp_path):
+    (tmp_path / "pictures").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"does not hold that layout\. Expected layout: "
+                                                r"images/<name>.<ext> and masks/<name>.<ext>"):
+        FolderSegDataModule(tmp_path).setup()

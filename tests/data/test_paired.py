@@ -259,7 +259,7 @@ def test_every_datamodule_exposes_the_contract_attributes(tmp_path: Path):
     import remat.data as data
 
     names = [n for n in data.__all__ if n.endswith("DataModule") and "Text" not in n]
-    assert len(names) == 12
+    assert len(names) == 13
     for name in names:
         cls = getattr(data, name)
         dm = cls() if name == "SyntheticSegDataModule" else cls(tmp_path)

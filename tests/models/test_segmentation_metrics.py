@@ -62,7 +62,7 @@ def test_multiclass_miou_per_class_iou_and_accuracy_with_ignore_index():
 def test_metric_set_errors_name_the_config_key():
     with pytest.raises(ValueError, match="model.inference: .*'stride'"):
         _small(inference={"patch_size": 64, "stride": 32})
-    with pytest.raises(ValueError, match="model.metrics must be one of"):
+    with pytest.raises(ValueError, match="model.metrics must be auto or one of"):
         SegmentationMetrics("dice", num_classes=1)
     with pytest.raises(ValueError, match="binary_pooled needs model.num_classes=1"):
         SegmentationMetrics("binary_pooled", num_classes=3)

@@ -493,15 +493,22 @@ class FolderSegDataModule(PatchSegDataModule):
     # ---------------------------------------------------------------- layout
 
     def is_dataset_root(self, candidate: Path) -> bool:
-        """Whether ``candidate`` is a folder (the layout is checked when listing)."""
-        return candidate.is_dir()
+        """Whether ``candidate`` holds the folder of the ``images`` glob, split folders
+        holding it, or the ``pairs`` CSV."""
+        if self.pairs_csv is not None:
+            return (self.pairs_csv if self.pairs_csv.is_absolute()
+                    else candidate / self.pairs_csv).is_file()
+        anchor = PurePosixPath(self.images).parts[0]
+        return (candidate / anchor).is_dir() or any(
+            (candidate / split / anchor).is_dir() for split in SPLIT_FOLDERS)
 
     def _split_dirs(self, root: Path) -> list[str]:
-        """The split sub-folders of ``root`` when it has no top-level images."""
+        """The split sub-folders of ``root`` (holding the ``images`` glob's folder) when it
+        has no top-level images."""
         anchor = PurePosixPath(self.images).parts[0]
         if (root / anchor).exists():
             return []
-        return [s for s in SPLIT_FOLDERS if (root / s).is_dir()]
+        return [s for s in SPLIT_FOLDERS if (root / s / anchor).is_dir()]
 
     def _list_in(self, base: Path, prefix: str) -> list[ImageMaskPair]:
         images = glob_names(base, self.images, "data.images")

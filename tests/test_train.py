@@ -231,13 +231,6 @@ def test_resuming_from_another_models_checkpoint_gives_one_clear_message(tmp_pat
         train(compose_train(tmp_path / "b", [*overrides, f"ckpt_path={weights_only}"]))
 
 
-def test_empty_stages_under_a_strategy_warn_that_nothing_is_wrapped(tmp_path):
-    cfg = compose_train(tmp_path, [*TINY, "strategy=sqrtn", "model.stages=[]"])
-    with pytest.warns(UserWarning, match=r"model.stages is empty: strategy \w+ wraps nothing"):
-        model = instantiate(cfg.model, strategy=instantiate(cfg.strategy))
-    assert model.strategy_report.wrapped == []
-
-
 def test_resuming_with_more_epochs_warns_that_the_schedule_has_ended(tmp_path):
     first = train(compose_train(tmp_path / "a", TINY))
     with pytest.warns(UserWarning, match="T_max=1 epochs but trainer.max_epochs=2"):

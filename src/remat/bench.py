@@ -902,12 +902,12 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                 model_cfg.block_size = size  # the model follows the data, as in training
         base = instantiate(model_cfg)  # no strategy: wraps nothing
         runs = _planned(strategies, model_cfg, batch_size, size, precision,
-                        list(cfg.model.stages), f"size {size}", notes)
+                        list(base.stage_paths), f"size {size}", notes)
         size_compile_runs = _planned(compile_runs, model_cfg, batch_size, size, precision,
-                                     list(cfg.model.stages), f"size {size}, compiled", notes,
+                                     list(base.stage_paths), f"size {size}, compiled", notes,
                                      known=runs)
         if cfg.get("reference_points", True) and mesh is None:
-            references, skipped = reference_rows(base, list(cfg.model.stages))
+            references, skipped = reference_rows(base, list(base.stage_paths))
             runs.update(references)
             for note in skipped:
                 print(f"note: {note}", flush=True)
@@ -916,7 +916,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         batch = {k: v.to(device)
                  for k, v in base.example_batch(batch_size, size, generator).items()}
         size_notes: list[str] = []
-        size_rows = _measure_groups(base, list(cfg.model.stages), runs, size_compile_runs,
+        size_rows = _measure_groups(base, list(base.stage_paths), runs, size_compile_runs,
                                     batch, device, precision, int(cfg.warmup), int(cfg.steps),
                                     int(cfg.seed), slot, backend if compiled else None,
                                     size_notes, mesh, peak_by)

@@ -50,6 +50,7 @@ from remat.planner.budget import BudgetStrategy
 from remat.planner.devices import known_devices, present_device_name
 from remat.planner.plan import SAVED_STATE_VERSION
 from remat.strategies import build_strategy
+from remat.strategies.stages import listed_stages
 
 log = logging.getLogger(__name__)
 #: The planner's report (the plan, the frontier table, the micro-batch table). Under Hydra,
@@ -128,7 +129,7 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
         remat.planner.InfeasibleBudget: the budget cannot be met.
     """
     if isinstance(strategy, BudgetStrategy):
-        default_stages = list(cfg.model.get("stages") or [])
+        default_stages = listed_stages(cfg.model.get("stages"))
         sharding = run_shape.sharding_of(cfg)
         planned = (_saved_plan(cfg, strategy, ckpt, ckpt_path, default_stages,
                                sharding.reshard_after_forward) if ckpt is not None else None)
@@ -357,7 +358,7 @@ def planner_for(cfg: DictConfig, build: Any, batch_size: int, size: Any, precisi
                    units=cfg.get("units"), margin=_margin(cfg), temporaries=_temporaries(cfg),
                    max_traces=int(cfg.get("max_traces", 6)),
                    objective=str(cfg.get("objective", "time")),
-                   default_stages=list(cfg.model.get("stages") or []),
+                   default_stages=listed_stages(cfg.model.get("stages")),
                    calibrate=bool(cfg.get("calibrate", False)), key="",
                    world_size=sharding.world_size,
                    reshard_after_forward=sharding.reshard_after_forward)
@@ -647,7 +648,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                         + " ".join(shlex.quote(o) for o in result["train_overrides"]))
         result["plan"] = planned.plan.to_dict()
     points = frontier(planner, int(cfg.budgets)) if int(cfg.budgets) > 0 else []
-    default_stages = list(cfg.model.get("stages") or [])
+    default_stages = listed_stages(cfg.model.get("stages"))
     if cfg.get("fixed", True):
         points += _fixed_points(planner, build, default_stages)
     if points:

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from remat.strategies import (
@@ -16,7 +15,7 @@ from remat.strategies import (
     StageError,
     StrategyReport,
 )
-from remat.strategies.stages import as_stage_list
+from remat.strategies.stages import AUTO, discover_units, module_listing, stage_setting
 
 log = logging.getLogger(__name__)
 
@@ -36,34 +35,45 @@ class StrategyModule(L.LightningModule):
 
     net: nn.Module
 
-    def wrap_net(self, net: nn.Module, stages: Sequence[str],
+    def wrap_net(self, net: nn.Module, stages: Sequence[str] | str,
                  strategy: CheckpointStrategy | None) -> None:
         """Keep ``net`` and apply ``strategy`` (default ``none``) to its ``stages``.
 
         ``stages`` is a list of dotted paths (globs allowed); one path given as a bare string
-        is one stage. Warns (``UserWarning``) when ``stages`` is empty under a strategy other
-        than ``none``: nothing is wrapped, so the run measures no checkpointing.
+        is one stage; ``"auto"`` is the units :func:`remat.strategies.stages.discover_units`
+        finds (outermost chains and modules with children), for a network nobody listed
+        stages for. A strategy that names its own units (a plan) ignores ``stages``.
 
         Raises:
-            remat.strategies.StageError: a stage matches no module (close names listed), or
-                ``stages`` is not a path or list of paths; the message names the
+            remat.strategies.StageError: a stage matches no module (close names listed),
+                ``stages`` is not a path or list of paths, or a strategy other than ``none``
+                would wrap nothing (empty ``stages``, or ``auto`` on a network without units:
+                the message lists the network's modules to pick from); the message names the
                 ``model.stages`` config key.
         """
         self.net = net
         self.strategy = strategy if strategy is not None else NoCheckpoint()
+        own_units = getattr(self.strategy, "names_own_units", False)
         try:
-            stages = as_stage_list(stages)
+            setting = stage_setting(stages)
         except StageError as err:
             raise StageError(f"model.stages: {err}") from err
+        stages = discover_units(net) if setting == AUTO else setting
+        if setting == AUTO:
+            log.info("model.stages=auto: %s", ", ".join(stages) or "no unit found")
         self.stage_paths: list[str] = list(stages)  # FSDP units follow them too
-        if not stages and self.strategy.name != "none":
-            rank_zero_warn(f"model.stages is empty: strategy {type(self.strategy).__name__} "
-                           "wraps nothing, so this run checkpoints no activations; list the "
-                           "stages to wrap (e.g. model.stages=[encoder.layer*])")
+        if not stages and self.strategy.name != "none" and not own_units:
+            why = ("model.stages=auto found no unit in it (no chain and no module with "
+                   "children)" if setting == AUTO else "model.stages is empty")
+            raise StageError(
+                f"strategy={self.strategy.name} would wrap nothing: {why}, so this run would "
+                f"checkpoint no activations. List the modules of {type(net).__name__} to "
+                f"recompute, e.g. model.stages=[<path>, ...] (globs allowed), or "
+                f"model.stages=auto; its modules: {module_listing(net)}")
         try:
             self.strategy_report: StrategyReport = self.strategy.apply(self.net, stages)
         except StageError as err:
-            if getattr(self.strategy, "names_own_units", False):
+            if own_units:
                 raise  # a plan names its units (and its file) itself; model.stages is unused
             raise StageError(f"model.stages={stages}: {err}") from err
         log.info("strategy %s wrapped %d modules in %s: %s", self.strategy_report.strategy,

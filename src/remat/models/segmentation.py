@@ -33,6 +33,51 @@ def build_smp_model(arch: str, encoder_name: str, encoder_weights: str | None,
 
 #: whole images are padded to a multiple of this for one forward pass (smp encoders: 32)
 SIZE_DIVISOR = 32
+#: side (px) of the zero image a given network is probed with at build time
+PROBE_SIZE = 64
+
+
+def check_net_output(net: nn.Module, in_channels: int, num_classes: int) -> None:
+    """Run ``net`` once on a zero image ``[1, in_channels, 64, 64]`` (``eval()``, no grad, no
+    random numbers drawn, train mode restored) and check it returns logits
+    ``[1, num_classes, 64, 64]``. A network that cannot take that input (a fixed image size,
+    another channel count it states itself) is not checked here; the first step reports it.
+
+    Raises:
+        ValueError: the output is no tensor, has another channel count than
+            ``model.num_classes`` or another spatial size; names ``model.net`` (its class),
+            ``model.num_classes`` and the fix.
+    """
+    name = f"model.net ({type(net).__module__}.{type(net).__qualname__})"
+    training = net.training
+    try:
+        net.eval()
+        with torch.no_grad():
+            out = net(torch.zeros(1, in_channels, PROBE_SIZE, PROBE_SIZE))
+    except Exception:  # noqa: BLE001 - any failure here is the first step's to report
+        return
+    finally:
+        net.train(training)
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(
+            f"{name} returns {type(out).__name__}, not a tensor; SegmentationModule needs logits "
+            f"[B, model.num_classes, H, W] (wrap the net so its forward returns the main "
+            "output, e.g. the first of a deep-supervision tuple)")
+    if out.ndim != 4 or out.shape[1] != num_classes:
+        got = tuple(out.shape)
+        channels = out.shape[1] if out.ndim == 4 else None
+        fix = (f"set model.num_classes={channels} (data=folder: data.num_classes={channels}) "
+               f"or build the net with {num_classes} output channel(s)" if channels else
+               "return [B, C, H, W]")
+        raise ValueError(
+            f"{name} returns logits of shape {got} for a [1, {in_channels}, {PROBE_SIZE}, "
+            f"{PROBE_SIZE}] input, but model.num_classes={num_classes} (1 = binary) needs "
+            f"[1, {num_classes}, {PROBE_SIZE}, {PROBE_SIZE}]; {fix}")
+    if tuple(out.shape[-2:]) != (PROBE_SIZE, PROBE_SIZE):
+        raise ValueError(
+            f"{name} returns logits of spatial size {tuple(out.shape[-2:])} for a "
+            f"{PROBE_SIZE}x{PROBE_SIZE} input; segmentation logits must have the input's size "
+            "(upsample inside the net)")
 
 
 class SegmentationModule(StrategyModule):
@@ -97,6 +142,8 @@ class SegmentationModule(StrategyModule):
         if net is None:
             net = build_smp_model(arch, encoder_name, encoder_weights, in_channels, num_classes,
                                   **dict(arch_kwargs or {}))
+        else:
+            check_net_output(net, in_channels, num_classes)
         self.wrap_net(net, stages, strategy)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.scheduler_factory = scheduler

@@ -120,10 +120,6 @@ class Profile:
     largest_conv_bytes: int = 0
 
 
-def _has_chain(module: nn.Module) -> bool:
-    return any(isinstance(m, CHAIN_TYPES) and len(m) > 0 for m in module.modules())
-
-
 def find_candidates(net: nn.Module, paths: Sequence[str] | None = None) -> list[Unit]:
     """The units the planner may wrap.
 
@@ -144,16 +140,10 @@ def find_candidates(net: nn.Module, paths: Sequence[str] | None = None) -> list[
         except StageError as err:
             raise StageError(f"strategy.units={list(paths)}: {err}") from err
     else:
-        found, taken = [], []
-        for name, module in net.named_modules():
-            if not name or any(name.startswith(t + ".") for t in taken):
-                continue
-            if isinstance(module, CHAIN_TYPES) and len(module) > 0:
-                found.append((name, module))
-                taken.append(name)
-            elif len(list(module.children())) and not _has_chain(module):
-                found.append((name, module))
-                taken.append(name)
+        from remat.strategies.stages import discover_units
+
+        named = dict(net.named_modules())
+        found = [(name, named[name]) for name in discover_units(net)]
     units = []
     for name, module in found:
         if isinstance(module, CHAIN_TYPES):

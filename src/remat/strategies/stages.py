@@ -9,6 +9,9 @@ from typing import Any
 
 from torch import nn
 
+#: ``model.stages=auto``: the units :func:`discover_units` finds
+AUTO = "auto"
+
 
 class StageError(ValueError):
     """A stage path matched nothing, or matched a module the strategy cannot wrap."""
@@ -81,3 +84,55 @@ def resolve_stages(model: nn.Module, stages: Iterable[str]) -> list[tuple[str, n
                     f"stage '{inner}' lies inside stage '{outer}'; list one or the other"
                 )
     return [(name, found[name]) for name in names]
+
+
+def discover_units(model: nn.Module) -> list[str]:
+    """The dotted paths of the units of a network nobody listed stages for
+    (``model.stages=auto``, and the planner's candidates): every outermost chain
+    (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict`` with members) and every outermost
+    module with children that holds no chain and lies in none (an encoder block, a decoder,
+    a head of several layers). Leaf layers (a lone ``nn.Conv2d``) are no unit: checkpointing
+    one saves nothing.
+
+    Returns:
+        Paths in model order; empty when the network has neither (a single layer, or a
+        ``Sequential`` of leaf layers only, whose members the caller may list by hand).
+    """
+    from remat.strategies.segmented import CHAIN_TYPES
+
+    def has_chain(module: nn.Module) -> bool:
+        return any(isinstance(m, CHAIN_TYPES) and len(m) > 0 for m in module.modules())
+
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(t + ".") for t in found):
+            continue
+        if isinstance(module, CHAIN_TYPES) and len(module) > 0:
+            found.append(name)
+        elif len(list(module.children())) and not has_chain(module):
+            found.append(name)
+    return found
+
+
+def stage_setting(stages: Any) -> list[str] | str:
+    """A ``model.stages`` value as given: :data:`AUTO`, or a list of paths (see
+    :func:`as_stage_list`)."""
+    if isinstance(stages, str) and stages == AUTO:
+        return AUTO
+    return as_stage_list(stages)
+
+
+def module_listing(model: nn.Module, limit: int = 12) -> str:
+    """The first ``limit`` top-level and second-level module paths of ``model`` with their
+    classes, for messages that ask the user to pick stages."""
+    rows = [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
+            if name and name.count(".") <= 1 and len(list(module.children()))]
+    more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
+    return ", ".join(rows[:limit]) + more if rows else "(no module with children)"
+
+
+def listed_stages(stages: Any) -> list[str]:
+    """The stage paths a ``model.stages`` value lists: none for :data:`AUTO` (the units are
+    found on the built network, see :func:`discover_units`), else :func:`as_stage_list`."""
+    setting = stage_setting(stages)
+    return [] if setting == AUTO else setting

@@ -1,0 +1,51 @@
+"""Networks a user might bring, importable by ``_target_`` from configs in the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _block(c_in: int, c_out: int) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+class ConvBlock(nn.Module):
+    """Two convolutions with BatchNorm: a module with children and no chain of its own."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.norm1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.norm2 = nn.BatchNorm2d(c_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.norm1(self.conv1(x)))
+        return torch.relu(self.norm2(self.conv2(x)))
+
+
+class TinyUNet(nn.Module):
+    """A plain two-level U-Net: ``[B, in_channels, H, W]`` -> ``[B, out_channels, H, W]``
+    (H, W even); its own attribute names, no chain at the top."""
+
+    def __init__(self, in_channels: int = 3, out_channels: int = 1, width: int = 8) -> None:
+        super().__init__()
+        self.down1 = ConvBlock(in_channels, width)
+        self.down2 = ConvBlock(width, 2 * width)
+        self.up = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+        self.fuse = ConvBlock(2 * width, width)
+        self.head = nn.Conv2d(width, out_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.down1(x)
+        deep = self.down2(nn.functional.max_pool2d(skip, 2))
+        return self.head(self.fuse(torch.cat([self.up(deep), skip], dim=1)))
+
+
+class ReturnsTuple(TinyUNet):
+    """Deep-supervision style: returns ``(logits, aux)``."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().forward(x)
+        return out, out

@@ -1,0 +1,91 @@
+"""A network given only by ``_target_`` (model=custom): its stages found by model.stages=auto,
+trained under sqrtn and budget, and the mistakes a user makes with it named at build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+
+from remat.estimate import estimate
+from remat.strategies import StageError
+from remat.train import train
+from tests.helpers import TINY, compose_config, compose_train
+
+PLAIN = ["model=custom", "model.net._target_=tests.models.nets.TinyUNet", "+model.net.width=8"]
+MONAI = ["model=custom", "model.net._target_=monai.networks.nets.UNet",
+         "+model.net.spatial_dims=2", "+model.net.in_channels=3", "+model.net.out_channels=1",
+         "+model.net.channels=[8,16,32]", "+model.net.strides=[2,2]",
+         "+model.net.num_res_units=1"]
+# plain SGD: activations, not the optimizer state, set the peak
+SGD = ["model.optimizer._target_=torch.optim.SGD", "~model.optimizer.weight_decay"]
+
+
+def built(tmp_path, overrides):
+    cfg = compose_train(tmp_path, [*TINY, *overrides])
+    return instantiate(cfg.model, strategy=instantiate(cfg.strategy))
+
+
+@pytest.mark.parametrize("net,units", [
+    (PLAIN, ["down1", "down2", "fuse"]),
+    (MONAI, ["model"]),  # MONAI's UNet is one nested nn.Sequential
+])
+def test_auto_stages_find_the_units_and_sqrtn_trains(tmp_path, net, units):
+    model = built(tmp_path / "build", [*net, "strategy=sqrtn"])
+    assert model.strategy_report.stages == units and model.strategy_report.wrapped
+    summary = train(compose_train(tmp_path / "run", [*TINY, *net, "strategy=sqrtn"]))
+    assert summary["status"] == "completed" and summary["global_step"] == 2
+    assert summary["strategy_report"]["stages"] == units
+
+
+def test_sqrtn_on_auto_stages_gives_none_s_gradients(tmp_path):
+    torch.manual_seed(0)
+    none = built(tmp_path / "a", [*PLAIN, "strategy=none"])
+    sqrtn = built(tmp_path / "b", [*PLAIN, "strategy=full"])
+    sqrtn.load_state_dict(none.state_dict())
+    batch = none.example_batch(2, 32, torch.Generator().manual_seed(1))
+    for model in (none, sqrtn):
+        model.train()
+        model.training_loss(batch).backward()
+    for (name, a), (_, b) in zip(none.named_parameters(), sqrtn.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("net", [PLAIN, MONAI], ids=["plain", "monai"])
+def test_budget_plans_a_net_given_by_target(tmp_path, net):
+    """A budget below none's predicted peak makes the plan recompute some unit."""
+    none = estimate(compose_config("estimate", tmp_path / "est",
+                                   [*net, *SGD, "data.image_size=64", "data.batch_size=4",
+                                    "device=cpu"])).peak_bytes
+    budget = int(0.93 * none)
+    summary = train(compose_train(tmp_path / "run", [
+        *TINY, *net, *SGD, "strategy=budget", f"strategy.memory={budget}",
+        "strategy.device=cpu", "strategy.max_traces=2", "strategy.margin=0.0"]))
+    plan = summary["plan"]
+    assert summary["status"] == "completed" and plan["predicted_peak_bytes"] <= budget
+    assert any(s["mode"] != "keep" for u in plan["units"] for s in u["segments"])
+    assert abs(plan["measured_over_predicted"] - 1) <= 0.03
+
+
+def test_output_channels_that_differ_from_num_classes_fail_at_build(tmp_path):
+    with pytest.raises(InstantiationException) as info:
+        built(tmp_path, [*PLAIN, "+model.net.out_channels=3"])
+    message = str(info.value.__cause__ or info.value)
+    assert ("model.net (tests.models.nets.TinyUNet) returns logits of shape (1, 3, 64, 64) for "
+            "a [1, 3, 64, 64] input, but model.num_classes=1 (1 = binary) needs [1, 1, 64, 64]; "
+            "set model.num_classes=3 (data=folder: data.num_classes=3)") in message
+    with pytest.raises(InstantiationException, match="returns tuple, not a tensor"):
+        built(tmp_path, ["model=custom", "model.net._target_=tests.models.nets.ReturnsTuple"])
+
+
+def test_a_strategy_that_would_wrap_nothing_is_refused_naming_the_modules(tmp_path):
+    with pytest.raises(InstantiationException) as info:
+        built(tmp_path, [*PLAIN, "strategy=sqrtn", "model.stages=[]"])
+    error = info.value.__cause__
+    assert isinstance(error, StageError)
+    assert ("strategy=sqrtn would wrap nothing: model.stages is empty, so this run would "
+            "checkpoint no activations. List the modules of TinyUNet to recompute") in str(error)
+    assert "down1 (ConvBlock), down2 (ConvBlock), fuse (ConvBlock)" in str(error)
+    assert built(tmp_path, [*PLAIN, "strategy=none", "model.stages=[]"]).strategy_report.wrapped \
+        == []

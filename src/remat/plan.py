@@ -35,8 +35,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from remat import run_shape
+from remat.build import build_from_config
 from remat.config import config_dir
-from remat.estimate import build_from_config
 from remat.measure import format_bytes
 from remat.planner import (
     InfeasibleBudget,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from remat.estimate import build_from_config
+from remat.build import build_from_config
 from remat.measure import format_bytes
 from remat.measure.parity import compare_gradients, gradients_of
 from remat.measure.trace import trace_step

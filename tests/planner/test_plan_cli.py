@@ -16,9 +16,10 @@ from hydra.core.utils import configure_log
 from hydra.types import RunMode
 from omegaconf import read_write
 
-from remat.plan import MARKERS, Point, check_plan_fits, frontier_figure, plan_for_run
+from remat.plan import MARKERS, Point, frontier_figure
 from remat.plan import run as plan_run
 from remat.planner import InfeasibleBudget, Plan, PlanMismatch, PlanStrategy, devices
+from remat.planner.run import check_plan_fits, plan_for_run
 from remat.train import main as train_main
 from tests.helpers import TINY, compose_app, compose_train
 
@@ -65,7 +66,7 @@ def test_a_plan_of_another_run_shape_or_network_fails_in_one_line(tmp_path, fiel
 def test_a_plan_for_another_device_warns_and_trains(tmp_path, caplog):
     cfg = compose_train(tmp_path, TINY)  # trainer.accelerator=cpu
     path = _plan_file(tmp_path, device="h100")
-    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+    with caplog.at_level(logging.WARNING, logger="remat.planner.run"):
         strategy = plan_for_run(cfg, PlanStrategy(path=str(path)))
     assert isinstance(strategy, PlanStrategy)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -74,7 +75,7 @@ def test_a_plan_for_another_device_warns_and_trains(tmp_path, caplog):
                         "Plan again for this device: strategy=budget strategy.device=cpu (or "
                         "python -m remat.plan ... device=cpu)"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+    with caplog.at_level(logging.WARNING, logger="remat.planner.run"):
         plan_for_run(cfg, PlanStrategy(path=str(_plan_file(tmp_path, device="cpu"))))
     assert not caplog.records  # a cpu plan on this CPU
 
@@ -86,7 +87,7 @@ def test_a_budget_planned_for_another_device_warns(tmp_path, caplog):
 
     cfg = compose_train(tmp_path, [*TINY, "strategy=budget", "strategy.memory=0.5",
                                    "strategy.device=h100"])
-    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+    with caplog.at_level(logging.WARNING, logger="remat.planner.run"):
         strategy = plan_for_run(cfg, BudgetStrategy(memory=0.5, device="h100"))
     assert isinstance(strategy, PlanStrategy) and strategy.plan.device == "h100"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from remat.models.base import STRATEGY_STATE_KEY
 from remat.planner import Plan, PlanMismatch, UnitPlan
+from remat.strategies import STRATEGY_STATE_KEY
 from remat.train import train
 from tests.helpers import TINY_TRAINER, compose_train
 

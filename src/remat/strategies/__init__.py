@@ -5,7 +5,7 @@
 >>> report = strategy.apply(model, stages=["encoder.layer*"])  # doctest: +SKIP
 """
 
-from remat.strategies.base import CheckpointStrategy, StrategyReport
+from remat.strategies.base import STRATEGY_STATE_KEY, CheckpointStrategy, StrategyReport
 from remat.strategies.compiled import CompileBudget
 from remat.strategies.every_k import EveryK
 from remat.strategies.full import FullCheckpoint
@@ -23,6 +23,7 @@ from remat.strategies.wrapping import unwrap_all
 
 __all__ = [
     "STRATEGIES",
+    "STRATEGY_STATE_KEY",
     "CheckpointStrategy",
     "CompileBudget",
     "EveryK",

@@ -100,7 +100,7 @@ def test_frontier_stops_at_the_device_memory(gpt, monkeypatch):
     154 GiB without checkpointing, an H100 has 80 GB): the frontier ends there."""
     import dataclasses
 
-    from remat.plan import frontier
+    from remat.planner.frontier import frontier
 
     planner, _ = gpt
     _, floor = planner.floor()

@@ -20,6 +20,7 @@ from remat.build import build_from_config
 from remat.measure import format_bytes
 from remat.planner.budget import BudgetStrategy
 from remat.planner.devices import known_devices, present_device_name
+from remat.planner.memory import PlanInputError
 from remat.planner.plan import SAVED_STATE_VERSION, Plan, PlanMismatch, PlanStrategy
 from remat.planner.planner import Planner
 from remat.rng import rng_kept
@@ -150,7 +151,7 @@ def warn_if_other_device(plan: Plan, cfg: DictConfig, path: str | None,
     if planned == present:
         return None
     again = (f"strategy=budget strategy.device={present} (or python -m remat.plan ... "
-             f"device={present})" if present in known_devices() else
+             f"strategy.device={present})" if present in known_devices() else
              "strategy=budget strategy.device={name: ..., memory_bytes: ..., fp32_flops: ..., "
              "bf16_flops: ..., bandwidth: ...} (this device is not in the device table)")
     message = (f"{where or f'strategy.path={path!r}'}: the plan was made for device "
@@ -244,29 +245,30 @@ def check_plan_fits(plan: Plan, cfg: DictConfig, path: str | None,
                            f"{key}={planned}, this run has {key}={running}; {todo}")
 
 
-def _margin(cfg: DictConfig) -> float | None:
-    """``margin`` of the config; null: the planner's default for the device."""
-    value = cfg.get("margin")
-    return None if value is None else float(value)
-
-
-def _temporaries(cfg: DictConfig) -> bool | None:
-    """``temporaries`` of the config (null: measured only when planning for this CPU)."""
-    value = cfg.get("temporaries")
-    return None if value is None else bool(value)
-
-
 def planner_for(cfg: DictConfig, build: Any, batch_size: int, size: Any, precision: str,
                 accumulate: int) -> Planner:
-    """The :class:`~remat.planner.Planner` of this config's planner keys (``device``,
-    ``units``, ``margin``, ``temporaries``, ``max_traces``, ``objective``, ``calibrate``,
-    ``model.stages``, FSDP2 ``world_size``) for one micro-batch and accumulation."""
+    """The :class:`~remat.planner.Planner` of this config's ``strategy=budget`` keys
+    (``strategy.device``, ``units``, ``margin``, ``temporaries``, ``max_traces``,
+    ``objective``, ``calibrate``; ``configs/strategy/budget.yaml``), ``model.stages`` and
+    FSDP2 ``world_size``, for one micro-batch and accumulation.
+
+    Raises:
+        remat.planner.PlanInputError: ``cfg.strategy`` is not a budget (names the target).
+        ValueError: a bad planner setting (naming its ``strategy.`` key).
+    """
+    budget = cfg.strategy
+    if not issubclass(get_class(str(budget.get("_target_"))), BudgetStrategy):
+        raise PlanInputError(f"strategy={budget.get('_target_')}: planning reads the keys of "
+                             "strategy=budget (strategy.memory, strategy.device, ...); keep "
+                             "strategy=budget")
     sharding = run_shape.sharding_of(cfg)
-    return Planner(build, batch_size, size, precision, accumulate, device=cfg.device,
-                   units=cfg.get("units"), margin=_margin(cfg), temporaries=_temporaries(cfg),
-                   max_traces=int(cfg.get("max_traces", 6)),
-                   objective=str(cfg.get("objective", "time")),
+    margin, temporaries = budget.get("margin"), budget.get("temporaries")
+    return Planner(build, batch_size, size, precision, accumulate, device=budget.device,
+                   units=budget.get("units"), margin=None if margin is None else float(margin),
+                   temporaries=None if temporaries is None else bool(temporaries),
+                   max_traces=int(budget.get("max_traces", 6)),
+                   objective=str(budget.get("objective", "time")),
                    default_stages=list(cfg.model.get("stages") or []),
-                   calibrate=bool(cfg.get("calibrate", False)), key="",
+                   calibrate=bool(budget.get("calibrate", False)), key="strategy",
                    world_size=sharding.world_size,
                    reshard_after_forward=sharding.reshard_after_forward)

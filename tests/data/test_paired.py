@@ -206,7 +206,7 @@ def test_split_file_selects_and_names_missing_images(tmp_path: Path):
     ("train: []\nval: ['1']\n", ValueError, "the train split is empty"),
     ("train: ['0']\nval: ['1']\ntest: []\n", ValueError, "the test split is empty"),
     ("train: ['0']\nval: ['0']\n", ValueError, "0 is in both the train and the val split"),
-    ("train: ['0']\n", ValueError, "must have keys train and val"),
+    ("train: ['0']\nvalid: ['1']\n", ValueError, "must have keys among train, val and test"),
     ("- 0\n- 1\n", ValueError, "must map train/val"),
 ])
 def test_bad_split_files(tmp_path: Path, text: str, error: type, match: str):
@@ -216,6 +216,25 @@ def test_bad_split_files(tmp_path: Path, text: str, error: type, match: str):
     with pytest.raises(error, match=match) as info:
         ISBI2012DataModule(tmp_path, split_file=split).setup()
     assert str(split) in str(info.value)
+
+
+def test_an_eval_only_split_file_validates_and_refuses_to_fit(tmp_path: Path):
+    """A split file with only val (or only test) scores that split; fit names what it lacks."""
+    make_fake_isbi(tmp_path, n=3, size=16)
+    split = tmp_path / "split.yaml"
+    split.write_text("val: ['2']\n")
+    dm = ISBI2012DataModule(tmp_path, split_file=split, patch_size=8)
+    dm.setup("validate")
+    assert [b["name"] for b in dm.val_dataloader()] == [["2"]] and dm.train_set is None
+    with pytest.raises(ValueError, match=r"no train split \(split file .*split.yaml\) but fit "
+                                         "needs it"):
+        dm.setup("fit")
+    split.write_text("test: ['1']\n")
+    dm = ISBI2012DataModule(tmp_path, split_file=split, patch_size=8)
+    dm.setup("test")
+    assert [b["name"] for b in dm.test_dataloader()] == [["1"]]
+    with pytest.raises(ValueError, match="no val split"):
+        dm.setup("validate")
 
 
 def test_missing_split_file(tmp_path: Path):

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from remat.data.io import make_loader
 from remat.data.layout import find_dataset_root, natural_key
 from remat.data.masks import IGNORE_INDEX
-from remat.data.pairs import IMAGE_MODES, ImageMaskPair, MaskDecoder
+from remat.data.pairs import IMAGE_MODES, ImageMaskPair, ImageReader, MaskDecoder
 from remat.data.splits import check_split, load_split_file
 from remat.data.verify import AUTO_MAX_FILES, should_verify, verify_pairs, verify_setting
 
@@ -158,6 +158,8 @@ class FileSegDataModule(SplitDataModule):
         self.splits: dict[str, list[str]] = {}
         self.pairs: dict[str, ImageMaskPair] = {}
         self._verified: set[str] = set()
+        self._built = False
+        self._split_source = ""
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -176,6 +178,10 @@ class FileSegDataModule(SplitDataModule):
     def build_dataset(self, pairs: list[ImageMaskPair], train: bool) -> Dataset:
         """The dataset serving ``pairs`` for training (``train``) or evaluation."""
         raise NotImplementedError
+
+    def image_reader(self) -> ImageReader | None:
+        """A picklable ``path -> [C, H, W]`` reader replacing the 8-bit one, or None."""
+        return None
 
     # ------------------------------------------------------------------ shared
 
@@ -202,10 +208,31 @@ class FileSegDataModule(SplitDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Check the layout, split the names and build the datasets (no decoding here), then
-        run the data check on the splits ``stage`` reads that were not checked yet."""
-        if self.train_set is None:
+        run the data check on the splits ``stage`` reads that were not checked yet.
+
+        A split file or layout may hold only evaluation splits (no ``train``): ``validate``
+        and ``test`` then run, and ``fit`` raises ``ValueError`` naming the missing split."""
+        if not self._built:
             self._build()
+            self._built = True
+        self._require_splits(stage)
         self.check_files(stage)
+
+    def _require_splits(self, stage: str | None) -> None:
+        if stage == "fit":
+            needed = ("train", "val")
+        elif stage == "validate":
+            needed = ("val",)
+        elif stage == "test":
+            needed = () if "test" in self.splits else ("val",)
+        else:
+            needed = ()
+        missing = [k for k in needed if not self.splits.get(k)]
+        if missing:
+            raise ValueError(
+                f"{self.title} at {self.dataset_root}: no {' and no '.join(missing)} split "
+                f"({self._split_source}) but {stage} needs it; give a split file "
+                "(data.split_file) or a layout with that split")
 
     def _build(self) -> None:
         self.dataset_root = self.find_root()
@@ -217,16 +244,21 @@ class FileSegDataModule(SplitDataModule):
         else:
             splits = self.default_split(sorted(self.pairs, key=natural_key))
             source = f"default split of {self.title} at {self.dataset_root}"
-        check_split(splits, source)
-        splits["train"] = splits["train"][: self.limit_train]
-        splits["val"] = splits["val"][: self.limit_val]
-        if "test" in splits:
-            splits["test"] = splits["test"][: self.limit_val]
+        check_split(splits, source, required=())
+        self._split_source = source
+        for key, limit in (("train", self.limit_train), ("val", self.limit_val),
+                           ("test", self.limit_val)):
+            if key in splits:
+                splits[key] = splits[key][:limit]
         self.splits = splits
-        self.train_set = self.build_dataset([self.pairs[n] for n in splits["train"]], True)
-        self.val_set = self.build_dataset([self.pairs[n] for n in splits["val"]], False)
-        self.test_set = (self.build_dataset([self.pairs[n] for n in splits["test"]], False)
-                         if splits.get("test") else None)
+
+        def dataset(key: str) -> Dataset | None:
+            names = splits.get(key)
+            return self.build_dataset([self.pairs[n] for n in names], key == "train") \
+                if names else None
+
+        self.train_set, self.val_set, self.test_set = (dataset(k) for k in
+                                                       ("train", "val", "test"))
 
     def check_files(self, stage: str | None = None) -> None:
         """The data check (``data.verify``) of the splits ``stage`` reads (``fit``: train and
@@ -247,7 +279,9 @@ class FileSegDataModule(SplitDataModule):
         if should_verify(self.verify, files):
             verify_pairs(pairs, self.image_mode, self.mask_decoder(),
                          title=f"{self.title} at {self.dataset_root} ({' and '.join(todo)} "
-                         "split)")
+                         "split)", image_reader=self.image_reader(),
+                         splits={k: self.splits[k] for k in todo},
+                         ignore_index=self.ignore_index, class_names=self.class_names)
         elif self.verify == "auto":
             log.info("data.verify=auto: the %s split of %s holds %d files (more than %d), so "
                      "they are not checked before training; data.verify=true checks them",

@@ -14,13 +14,12 @@ splits do); give ``data.split_file`` for a sequence-wise one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from remat.data.layout import list_files, match_pairs
-from remat.data.masks import threshold_mask
+from remat.data.masks import ThresholdMask
 from remat.data.pairs import ImageMaskPair
 from remat.data.patch_seg import SeededSplitDataModule
 
@@ -62,4 +61,4 @@ class CVCClinicDBDataModule(SeededSplitDataModule):
 
     def mask_decoder(self) -> Callable[[Path], torch.Tensor]:
         """Polyp (>= 128 on the brightest channel) -> 1, else 0."""
-        return partial(threshold_mask, channels="max")
+        return ThresholdMask(channels="max")

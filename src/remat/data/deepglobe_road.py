@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from remat.data.layout import list_files, match_pairs
-from remat.data.masks import threshold_mask
+from remat.data.masks import ThresholdMask
 from remat.data.pairs import ImageMaskPair
 from remat.data.patch_seg import SeededSplitDataModule
 
@@ -57,4 +57,4 @@ class DeepGlobeRoadDataModule(SeededSplitDataModule):
 
     def mask_decoder(self) -> Callable[[Path], torch.Tensor]:
         """Road (grey >= 128) -> 1, else 0."""
-        return threshold_mask
+        return ThresholdMask()

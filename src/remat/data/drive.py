@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from remat.data.layout import list_files, match_pairs
-from remat.data.masks import threshold_mask
+from remat.data.masks import ThresholdMask
 from remat.data.pairs import ImageMaskPair
 from remat.data.patch_seg import PatchSegDataModule
 from remat.data.splits import tail_split
@@ -86,4 +86,4 @@ class DRIVEDataModule(PatchSegDataModule):
 
     def mask_decoder(self) -> Callable[[Path], torch.Tensor]:
         """Vessel (grey >= 128) -> 1, else 0."""
-        return threshold_mask
+        return ThresholdMask()

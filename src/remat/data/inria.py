@@ -12,13 +12,12 @@ training city (project page). torchgeo's ``InriaAerialImageLabeling`` reads the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from remat.data.layout import list_files, match_pairs
-from remat.data.masks import threshold_mask
+from remat.data.masks import ThresholdMask
 from remat.data.pairs import ImageMaskPair
 from remat.data.patch_seg import PatchSegDataModule
 
@@ -90,4 +89,4 @@ class InriaDataModule(PatchSegDataModule):
 
     def mask_decoder(self) -> Callable[[Path], torch.Tensor]:
         """Building (any non-zero value) -> 1, else 0."""
-        return partial(threshold_mask, threshold=1)
+        return ThresholdMask(threshold=1)

@@ -178,3 +178,140 @@ def make_loader(
         pin_memory=pin_memory,
         generator=torch.Generator().manual_seed(seed) if train else None,
     )
+
+
+# ----------------------------------------------------------------------------- any image
+
+#: ``data.image_mode`` values of :func:`read_any_image`: the three of the shipped datasets
+#: plus ``native`` (every stored channel, e.g. a 4-band or 12-channel TIFF)
+ANY_IMAGE_MODES = ("rgb", "grey", "grey_rgb", "native")
+_MAX_CHANNELS = 64  # a TIFF axis this short is read as channels, a longer one as pixels
+_LUMA = (0.299, 0.587, 0.114)  # ITU-R 601-2, the weights of Pillow's convert("L")
+
+
+def _tiff_array(path: Path, expected: str) -> np.ndarray:
+    """``[C, H, W]`` of a TIFF read with tifffile (any bit depth, any number of channels)."""
+    import tifffile
+
+    try:
+        array = np.asarray(tifffile.imread(path))
+    except Exception as err:  # tifffile raises several types for a bad file
+        raise DataFileError(path=path, problem=f"cannot be decoded ({_first_line(err)})",
+                            expected=expected) from err
+    array = np.squeeze(array)
+    if array.ndim == 2:
+        return array[None]
+    if array.ndim == 3:
+        if array.shape[-1] <= _MAX_CHANNELS < min(array.shape[:2]) or \
+                array.shape[-1] <= 4 < array.shape[0]:
+            return np.moveaxis(array, -1, 0)  # [H, W, C] (Pillow's and most writers' order)
+        if array.shape[0] <= _MAX_CHANNELS:
+            return array  # [C, H, W] (planar)
+    raise DataFileError(path=path, problem=f"holds an array of shape {array.shape}",
+                        expected=f"{expected} ([H, W], [H, W, C] or [C, H, W], C <= "
+                        f"{_MAX_CHANNELS}; a multi-page stack is a volume, not an image)")
+
+
+def _pillow_array(path: Path, expected: str) -> np.ndarray:
+    """``[C, H, W]`` of an image read with Pillow: uint8, uint16 (16-bit grey) or float32."""
+    try:
+        with Image.open(path) as img:
+            if img.mode in _PIL_16BIT_MODES or img.mode == "F":
+                array = np.asarray(img)
+            elif img.mode in ("L", "RGB", "RGBA"):
+                array = np.asarray(img)
+            elif img.mode == "LA":
+                array = np.asarray(img.convert("L"))
+            else:  # palette, 1-bit, CMYK, YCbCr ...: their colours
+                array = np.asarray(img.convert("RGB"))
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
+        raise DataFileError(path=path, problem=f"cannot be decoded ({_first_line(err)})",
+                            expected=expected) from err
+    return array[None] if array.ndim == 2 else np.moveaxis(array, -1, 0)
+
+
+def _as_tensor(array: np.ndarray, path: Path, expected: str) -> torch.Tensor:
+    """uint8 and uint16 arrays keep their type; other numbers become float32."""
+    if array.dtype == np.uint8 or array.dtype == np.uint16:
+        return torch.from_numpy(np.ascontiguousarray(array))
+    if array.dtype.kind in "iuf" and array.dtype.itemsize <= 8:
+        if array.dtype.kind == "i" and array.min() >= 0 and array.max() <= 65535:
+            return torch.from_numpy(np.ascontiguousarray(array.astype(np.uint16)))
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    raise DataFileError(path=path, problem=f"holds {array.dtype} pixels",
+                        expected=f"{expected} (integer or float pixels)")
+
+
+def _grey(image: torch.Tensor) -> torch.Tensor:
+    """Luma ``[1, H, W]`` of an RGB ``[3, H, W]`` image in its own dtype (Pillow's weights)."""
+    weights = torch.tensor(_LUMA, dtype=torch.float32)[:, None, None]
+    luma = (image.float() * weights).sum(0, keepdim=True)
+    if image.dtype.is_floating_point:
+        return luma
+    return luma.round_().to(image.dtype)
+
+
+def read_any_image(path: str | Path, image_mode: str = "rgb") -> torch.Tensor:
+    """Decode an image file of any common kind into ``[C, H, W]``, keeping its bit depth.
+
+    PNG, JPEG, BMP, GIF and WebP go through Pillow; TIFFs through ``tifffile`` (16-bit grey,
+    float, and multi-channel TIFFs such as 4-band aerial tiles or microscopy stacks of
+    channels). The dtype is kept: uint8, uint16 (16-bit files; int32 TIFFs within
+    0..65535) or float32 (float TIFFs and any other numbers), so the datamodule can scale
+    each by its own range.
+
+    Args:
+        path: the image file.
+        image_mode: ``"rgb"``: 3 channels (grey repeated; the alpha of an RGBA PNG or WebP
+            dropped, while a 4-channel TIFF is refused, its fourth band being data);
+            ``"grey"``: 1 channel (RGB -> luma, Pillow's ITU-R 601-2 weights);
+            ``"grey_rgb"``: luma repeated to 3 channels; ``"native"``: every stored
+            channel as it is.
+
+    Returns:
+        ``[C, H, W]`` uint8, uint16 or float32 (``C`` = 3, 1, 3, or as stored).
+
+    Raises:
+        ValueError: ``image_mode`` is not one of :data:`ANY_IMAGE_MODES`.
+        FileNotFoundError: the file does not exist.
+        DataFileError: (a ``ValueError``) the file is empty or cannot be decoded, or its
+            channels do not fit ``image_mode`` (e.g. a 5-channel TIFF under ``rgb``; the
+            message says to use ``data.image_mode=native`` and the matching
+            ``model.in_channels``); names the file.
+    """
+    if image_mode not in ANY_IMAGE_MODES:
+        raise ValueError(f"data.image_mode must be one of {ANY_IMAGE_MODES}, got "
+                         f"{image_mode!r}")
+    path = Path(path)
+    expected = f"a {file_format(path)} image"
+    if not path.is_file():
+        raise FileNotFoundError(f"image file not found: {path}")
+    if path.stat().st_size == 0:
+        raise DataFileError(path=path, problem="empty file (0 bytes)", expected=expected)
+    tiff = path.suffix.lower() in (".tif", ".tiff")
+    array = _tiff_array(path, expected) if tiff else _pillow_array(path, expected)
+    image = _as_tensor(array, path, expected)
+    channels = image.shape[0]
+    if image_mode == "native":
+        return image
+    if channels == 4 and not tiff:
+        image, channels = image[:3], 3  # RGBA PNG/WebP: the alpha channel is no content
+    if channels not in (1, 3):
+        raise DataFileError(path=path, problem=f"has {channels} channels",
+                            expected=f"a grey or RGB image for data.image_mode={image_mode}; "
+                            f"for {channels} channels set data.image_mode=native and "
+                            f"model.in_channels={channels}")
+    if image_mode == "rgb":
+        return image if channels == 3 else image.expand(3, -1, -1).contiguous()
+    grey = image if channels == 1 else _grey(image)
+    return grey if image_mode == "grey" else grey.expand(3, -1, -1).contiguous()
+
+
+def image_channels(path: str | Path, image_mode: str) -> int:
+    """Channels :func:`read_any_image` gives for ``path`` under ``image_mode`` (decodes the
+    file only for ``native``)."""
+    if image_mode == "grey":
+        return 1
+    if image_mode != "native":
+        return 3
+    return int(read_any_image(path, "native").shape[0])

@@ -12,13 +12,12 @@ so ``test/`` is not used; the val split is the last sections of the training sta
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from remat.data.layout import list_files, match_pairs
-from remat.data.masks import threshold_mask
+from remat.data.masks import ThresholdMask
 from remat.data.pairs import ImageMaskPair
 from remat.data.patch_seg import PatchSegDataModule
 from remat.data.splits import tail_split
@@ -73,4 +72,4 @@ class ISBI2012DataModule(PatchSegDataModule):
 
     def mask_decoder(self) -> Callable[[Path], torch.Tensor]:
         """Membrane (label < 128, stored 0) -> 1; cell interior (stored 255) -> 0."""
-        return partial(threshold_mask, foreground="dark")
+        return ThresholdMask(foreground="dark")

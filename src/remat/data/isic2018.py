@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from remat.data.layout import list_files, match_pairs
-from remat.data.masks import threshold_mask
+from remat.data.masks import ThresholdMask
 from remat.data.pairs import ImageMaskPair
 from remat.data.patch_seg import SeededSplitDataModule
 
@@ -62,4 +62,4 @@ class ISIC2018DataModule(SeededSplitDataModule):
 
     def mask_decoder(self) -> Callable[[Path], torch.Tensor]:
         """Lesion (grey >= 128) -> 1, else 0."""
-        return threshold_mask
+        return ThresholdMask()

@@ -12,7 +12,6 @@ evaluation alike (as the benchmark's baselines do).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from torchvision import tv_tensors
 
 from remat.data.base import FileSegDataModule
 from remat.data.layout import list_files, match_pairs
-from remat.data.masks import threshold_mask
+from remat.data.masks import ThresholdMask
 from remat.data.pairs import ImageMaskPair, MaskDecoder, load_pair
 from remat.data.sizes import as_pair
 from remat.data.splits import split_ids
@@ -32,7 +31,7 @@ KVASIR_URL = "https://datasets.simula.no/kvasir-seg/"
 KVASIR_LAYOUT = "images/*.jpg, masks/*.jpg (one mask per image, same file name)"
 _SUFFIXES = (".jpg", ".jpeg")
 # polyp where the mask JPEG, read as one grey channel, is >= 128
-kvasir_mask = partial(threshold_mask, foreground="bright", threshold=128, channels="grey")
+kvasir_mask = ThresholdMask(foreground="bright", threshold=128, channels="grey")
 
 
 class KvasirSegDataset(Dataset):

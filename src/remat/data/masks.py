@@ -199,3 +199,197 @@ def index_mask(path: str | Path, lookup: Mapping[int, int]) -> torch.Tensor:
                             + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""),
                             expected=expected)
     return out.to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- decoders
+# Picklable decoder objects. Besides decoding (``__call__``), each may answer
+# ``encoding_problem(path)``: what in the raw file says the encoding is the wrong one
+# (0/1 label maps under a 128 threshold, lossy JPEG masks read as "any non-zero"), which
+# the data check (:mod:`remat.data.verify`) reports before training.
+
+
+def _label_map_problem(path: str | Path, threshold: int, foreground: str) -> str | None:
+    """The problem of a grey mask holding only 0 and 1 under a threshold above 1."""
+    if threshold <= 1:
+        return None
+    raw = read_label(path, ImageReadMode.GRAY)
+    if int(raw.max()) != 1:
+        return None
+    lost = "no foreground" if foreground == "bright" else "foreground everywhere"
+    return (f"holds only the values 0 and 1 (a label map?), which a threshold of {threshold} "
+            f"reads as {lost}; for 0/1 masks use data=folder with data.mask_encoding=index "
+            "(or binary without data.threshold)")
+
+
+class ThresholdMask:
+    """Binary mask by a grey-level threshold (:func:`threshold_mask` with fixed settings).
+
+    Args:
+        foreground, threshold, channels: as :func:`threshold_mask`.
+
+    Calling it with a path returns uint8 ``[H, W]`` with values 0 and 1.
+    """
+
+    def __init__(self, foreground: str = "bright", threshold: int = 128,
+                 channels: str = "grey") -> None:
+        self.foreground, self.threshold, self.channels = foreground, int(threshold), channels
+
+    def __call__(self, path: str | Path) -> torch.Tensor:
+        return threshold_mask(path, self.foreground, self.threshold, self.channels)
+
+    def encoding_problem(self, path: str | Path) -> str | None:
+        """A message when the file holds only 0/1 (a label map) and ``threshold > 1``."""
+        return _label_map_problem(path, self.threshold, self.foreground)
+
+    def __repr__(self) -> str:
+        return (f"ThresholdMask(foreground={self.foreground!r}, threshold={self.threshold}, "
+                f"channels={self.channels!r})")
+
+
+class NonZeroMask:
+    """Binary mask: foreground wherever any channel of the stored value is non-zero (0/1,
+    0/255, 0/65535 and one-colour label drawings alike; palette PNGs by their colours).
+
+    Calling it with a path returns uint8 ``[H, W]`` with values 0 and 1.
+    """
+
+    def __call__(self, path: str | Path) -> torch.Tensor:
+        raw = read_label(path, ImageReadMode.RGB,
+                         expected=f"a {file_format(path)} mask (background 0)")
+        return (raw.amax(dim=0) > 0).to(torch.uint8)
+
+    def encoding_problem(self, path: str | Path) -> str | None:
+        """A message for a mask with compression noise (values strictly between the
+        darkest and brightest level in more than 0.1 % of its pixels, as JPEG leaves them),
+        which "any non-zero" would read as foreground."""
+        raw = read_label(path, ImageReadMode.GRAY)
+        top = int(raw.max())
+        if top < 2:
+            return None
+        noisy = float(((raw > 0) & (raw < top)).float().mean())
+        if noisy <= 1e-3:
+            return None
+        return (f"{100 * noisy:.1f}% of its pixels lie between 0 and {top} (compression noise, "
+                "as in JPEG masks), which mask_encoding=binary without a threshold reads as "
+                "foreground; set data.threshold=128 (or save masks as PNG)")
+
+    def __repr__(self) -> str:
+        return "NonZeroMask()"
+
+
+class LabelMapMask:
+    """Class indices stored as pixel values: a grey label map (``mask_encoding=index``) or
+    the indices of a palette PNG (``mask_encoding=palette``).
+
+    Args:
+        num_classes: classes (1 = binary: values 0 and 1), so the stored values
+            ``0..max(1, num_classes - 1)`` are classes.
+        ignore_index: a stored value that is no class (kept as it is, so the loss and the
+            metrics leave those pixels out).
+        palette: read the file's palette indices and refuse a file that is no palette
+            (mode ``P``) PNG.
+
+    Calling it with a path returns uint8 ``[H, W]`` class indices (or ``ignore_index``).
+
+    Raises (on call):
+        DataFileError: a value that is neither a class nor ``ignore_index`` (every such
+            value listed with its pixel count), a colour file under ``index`` whose channels
+            differ, a non-palette file under ``palette``; names the file.
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int = IGNORE_INDEX,
+                 palette: bool = False) -> None:
+        self.classes = max(2, int(num_classes))
+        self.ignore_index, self.palette = int(ignore_index), palette
+
+    def _expected(self, path: str | Path) -> str:
+        kind = "a palette (mode P) PNG" if self.palette else f"a single-channel {file_format(path)}"
+        return (f"{kind} label map with values 0..{self.classes - 1} (classes) or "
+                f"{self.ignore_index} (ignored)")
+
+    def __call__(self, path: str | Path) -> torch.Tensor:
+        expected = self._expected(path)
+        if self.palette:
+            from PIL import Image
+
+            try:
+                with Image.open(path) as img:
+                    mode = img.mode
+            except OSError as err:
+                raise DataFileError(path=path, problem=f"cannot be decoded ({err})",
+                                    expected=expected) from err
+            if mode != "P":
+                raise DataFileError(path=path, problem=f"is a mode {mode} image, not a palette "
+                                    "PNG", expected=expected + "; for colour masks use "
+                                    "data.mask_encoding=colors with data.colors, for grey "
+                                    "label maps data.mask_encoding=index")
+        raw = read_label(path, ImageReadMode.UNCHANGED, expected=expected)
+        if raw.shape[0] > 1:
+            colour = raw[:3]
+            if bool((colour != colour[:1]).any()):
+                raise DataFileError(path=path, problem=f"has {raw.shape[0]} channels that differ "
+                                    "(a colour mask?)", expected=expected + "; for colour masks "
+                                    "use data.mask_encoding=colors with data.colors")
+            raw = raw[:1]
+        raw = raw[0].long()
+        bad = (raw >= self.classes) & (raw != self.ignore_index)
+        if bool(bad.any()):
+            values, counts = raw[bad].unique(return_counts=True)
+            listed = ", ".join(f"{int(v)} ({int(n)} px)" for v, n in
+                               zip(values[:10], counts[:10], strict=False))
+            more = f" and {len(values) - 10} more" if len(values) > 10 else ""
+            hint = ""
+            if int(values.max()) == 255 and self.classes == 2:
+                hint = "; 0/255 masks are mask_encoding=binary"
+            elif self.classes < 256:
+                hint = f"; more classes? raise data.num_classes (now {self.classes} values)"
+            raise DataFileError(path=path, problem=f"holds value(s) outside the classes: "
+                                f"{listed}{more}", expected=expected + hint)
+        return raw.to(torch.uint8)
+
+    def __repr__(self) -> str:
+        return (f"LabelMapMask(num_classes={self.classes}, ignore_index={self.ignore_index}, "
+                f"palette={self.palette})")
+
+
+class ColourTableMask:
+    """Class indices from exact RGB colours (:func:`colour_mask` with a fixed table).
+
+    Args:
+        colours: one ``(R, G, B)`` per class, in class order.
+        ignore_colours: colours that are no class (their pixels become ``ignore_index``).
+        ignore_index: value written for them.
+    """
+
+    def __init__(self, colours: Sequence[RGB], ignore_colours: Sequence[RGB] = (),
+                 ignore_index: int = IGNORE_INDEX) -> None:
+        self.palette = {tuple(int(c) for c in colour): index
+                        for index, colour in enumerate(colours)}
+        self.ignore_colours = [tuple(int(c) for c in colour) for colour in ignore_colours]
+        self.ignore_index = int(ignore_index)
+
+    def __call__(self, path: str | Path) -> torch.Tensor:
+        return colour_mask(path, self.palette, self.ignore_colours, self.ignore_index)
+
+    def __repr__(self) -> str:
+        return f"ColourTableMask({len(self.palette)} colours)"
+
+
+def parse_colour(value: object, key: str) -> RGB:
+    """``"#RRGGBB"``, ``"RRGGBB"`` or ``[R, G, B]`` (0..255 each) -> ``(R, G, B)``.
+
+    Raises:
+        ValueError: anything else; names the config key ``key`` and the value.
+    """
+    if isinstance(value, str):
+        text = value.strip().lstrip("#")
+        if len(text) == 6:
+            try:
+                return (int(text[0:2], 16), int(text[2:4], 16), int(text[4:6], 16))
+            except ValueError:
+                pass
+    elif isinstance(value, Sequence) and len(value) == 3 and all(
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 255 for c in value):
+        return (int(value[0]), int(value[1]), int(value[2]))
+    raise ValueError(f"{key}: {value!r} is no colour; give '#RRGGBB' or [R, G, B] with values "
+                     "0..255")

@@ -13,13 +13,12 @@ are missing imagery in the source; they are kept as ordinary pixels.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from remat.data.layout import list_files, match_pairs
-from remat.data.masks import threshold_mask
+from remat.data.masks import ThresholdMask
 from remat.data.pairs import ImageMaskPair
 from remat.data.patch_seg import PatchSegDataModule
 
@@ -59,7 +58,7 @@ class _MassachusettsDataModule(PatchSegDataModule):
 
     def mask_decoder(self) -> Callable[[Path], torch.Tensor]:
         """Foreground (>= 128 on the brightest channel) -> 1, else 0."""
-        return partial(threshold_mask, channels="max")
+        return ThresholdMask(channels="max")
 
 
 class MassachusettsRoadsDataModule(_MassachusettsDataModule):

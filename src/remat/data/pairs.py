@@ -18,6 +18,8 @@ from remat.data.io import DataFileError, file_format, read_image
 
 IMAGE_MODES = ("rgb", "grey", "grey_rgb")
 MaskDecoder = Callable[[Path], torch.Tensor]
+#: ``path -> [C, H, W]`` image reader replacing the 8-bit one (e.g. a user's 16-bit TIFFs)
+ImageReader = Callable[[Path], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -58,12 +60,17 @@ def _size_error(pair: ImageMaskPair, path: Path, got: tuple[int, ...],
 
 
 def _decode(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
-            problems: list[DataFileError] | None
+            problems: list[DataFileError] | None, image_reader: ImageReader | None = None
             ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Decode the pair's files; with ``problems`` given, collect errors instead of raising."""
-    mode = _read_mode(image_mode)
+    if image_reader is None:
+        mode = _read_mode(image_mode)
+
+        def image_reader(path: Path) -> torch.Tensor:
+            return read_image(path, mode, _image_expected(pair, image_mode))
+
     steps: list[tuple[str, Callable[[], torch.Tensor]]] = [
-        ("image", lambda: read_image(pair.image, mode, _image_expected(pair, image_mode))),
+        ("image", lambda: image_reader(pair.image)),
         ("mask", lambda: decode_mask(pair.mask)),
     ]
     if pair.valid is not None:
@@ -94,11 +101,12 @@ def _decode(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
     return image, out["mask"], out.get("valid")
 
 
-def load_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder
+def load_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
+              image_reader: ImageReader | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Decode a pair: image uint8 ``[C, H, W]`` (``C`` = 3 for ``"rgb"``, 1 for the grey
-    modes), mask uint8 ``[H, W]`` class indices (from ``decode_mask``), region-of-interest
-    bool ``[H, W]`` or None.
+    modes; ``image_reader``'s result when given), mask uint8 ``[H, W]`` class indices (from
+    ``decode_mask``), region-of-interest bool ``[H, W]`` or None.
 
     Raises:
         ValueError: unknown ``image_mode``.
@@ -106,15 +114,37 @@ def load_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder
             image, mask values outside the encoding, or a size differing from the image's.
         FileNotFoundError: a file is missing.
     """
-    image, mask, valid = _decode(pair, image_mode, decode_mask, None)
+    image, mask, valid = _decode(pair, image_mode, decode_mask, None, image_reader)
     assert image is not None and mask is not None
     return image, mask, valid
 
 
-def check_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder
-               ) -> list[DataFileError]:
+def check_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
+               image_reader: ImageReader | None = None) -> list[DataFileError]:
     """Every problem of a pair's files (empty list: the pair loads), decoding each file once
     as :func:`load_pair` does."""
+    return inspect_pair(pair, image_mode, decode_mask, image_reader)[0]
+
+
+def inspect_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
+                 image_reader: ImageReader | None = None
+                 ) -> tuple[list[DataFileError], torch.Tensor | None]:
+    """:func:`check_pair` plus the mask's label counts.
+
+    Returns:
+        ``(problems, counts)``: every problem of the pair's files, including what the mask
+        decoder's ``encoding_problem(path)`` (if it has one) finds in the raw file; and
+        int64 ``[256]`` pixel counts per decoded mask value inside the region of interest
+        (None when the mask could not be decoded).
+    """
     problems: list[DataFileError] = []
-    _decode(pair, image_mode, decode_mask, problems)
-    return problems
+    _, mask, valid = _decode(pair, image_mode, decode_mask, problems, image_reader)
+    counts = None
+    if mask is not None:
+        values = mask if valid is None or valid.shape != mask.shape else mask[valid]
+        counts = torch.bincount(values.reshape(-1).long(), minlength=256)
+        check = getattr(decode_mask, "encoding_problem", None)
+        note = check(pair.mask) if check is not None else None
+        if note:
+            problems.append(DataFileError(path=pair.mask, problem=note))
+    return problems, counts

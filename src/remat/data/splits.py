@@ -19,13 +19,14 @@ from remat.data.layout import listing
 def load_split_file(path: str | Path, names: Iterable[str]) -> dict[str, list[str]]:
     """Read a split file and check it against the dataset.
 
-    The file is YAML (or JSON) mapping ``train``, ``val`` and optionally ``test`` to lists of
-    sample names as the datamodule prints them (e.g. ``"Tile 3/image_part_001"`` or ``"25"``).
+    The file is YAML (or JSON) mapping ``train``, ``val`` and ``test`` (any of them: training
+    needs train and val, an evaluation only the split it scores) to lists of sample names as
+    the datamodule prints them (e.g. ``"Tile 3/image_part_001"`` or ``"25"``).
 
     Raises:
         FileNotFoundError: the file is missing, or it names samples the dataset does not have
             (the message lists them and the key).
-        ValueError: not a mapping of lists, an unknown key, or ``train``/``val`` missing.
+        ValueError: not a mapping of lists, an unknown key, or no key at all.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -34,9 +35,9 @@ def load_split_file(path: str | Path, names: Iterable[str]) -> dict[str, list[st
     if not isinstance(raw, dict) or not all(isinstance(v, list) for v in raw.values()):
         raise ValueError(f"split file {path} must map train/val[/test] to lists of names")
     unknown = sorted(set(raw) - {"train", "val", "test"})
-    if unknown or not {"train", "val"} <= set(raw):
-        raise ValueError(f"split file {path} must have keys train and val (test optional); "
-                         f"got {sorted(raw)}")
+    if unknown or not raw:
+        raise ValueError(f"split file {path} must have keys among train, val and test (train "
+                         f"and val to train; val or test alone to evaluate); got {sorted(raw)}")
     known = set(names)
     for key, listed in raw.items():
         missing = [str(n) for n in listed if str(n) not in known]
@@ -48,10 +49,11 @@ def load_split_file(path: str | Path, names: Iterable[str]) -> dict[str, list[st
     return {key: [str(n) for n in listed] for key, listed in raw.items()}
 
 
-def check_split(split: Mapping[str, Sequence[str]], source: str) -> None:
-    """Raise ``ValueError`` if ``train`` or ``val`` is missing, any listed split (``test``
-    too) is empty, or a name sits in two splits; ``source`` says where the split came from."""
-    for key in ("train", "val", *split):
+def check_split(split: Mapping[str, Sequence[str]], source: str,
+                required: Sequence[str] = ("train", "val")) -> None:
+    """Raise ``ValueError`` if a ``required`` split is missing, any listed split is empty,
+    or a name sits in two splits; ``source`` says where the split came from."""
+    for key in (*required, *split):
         if not split.get(key):
             raise ValueError(f"the {key} split is empty ({source}); every split needs at least "
                              "one image")

@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 from tqdm.auto import tqdm
 
 from remat.data.io import DataFileError
-from remat.data.pairs import ImageMaskPair, MaskDecoder, check_pair
+from remat.data.pairs import ImageMaskPair, ImageReader, MaskDecoder, inspect_pair
 
 log = logging.getLogger(__name__)
 
@@ -54,41 +55,88 @@ def should_verify(setting: bool | str, files: int) -> bool:
     return setting is True or (setting == "auto" and files <= AUTO_MAX_FILES)
 
 
+def _label_problem(split: str, masks: int, counts: torch.Tensor, ignore_index: int,
+                   class_names: Sequence[str]) -> DataFileError | None:
+    """The problem of a split whose masks hold one class only (or nothing labelled)."""
+    ignored = int(counts[ignore_index]) if 0 <= ignore_index < len(counts) else 0
+    present = [v for v in range(len(counts)) if counts[v] > 0 and v != ignore_index]
+    if len(present) > 1:
+        return None
+    if not present:
+        what = f"no labelled pixel (all {ignored} are data.ignore_index={ignore_index})"
+    else:
+        name = class_names[present[0]] if present[0] < len(class_names) else None
+        what = f"class {present[0]}" + (f" ({name})" if name else "") + " only"
+        if ignored:
+            what += f" and {ignored} pixels of data.ignore_index={ignore_index}"
+    return DataFileError(
+        f"the {split} split has no foreground: its {masks} mask(s) hold {what}, so nothing "
+        "can be learned or scored; check the mask encoding (data.mask_encoding, "
+        "data.threshold) against a mask file, or give this split masks with foreground",
+        problem=f"the {split} split has no foreground")
+
+
 def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: MaskDecoder,
-                 *, title: str, progress: bool = True) -> int:
+                 *, title: str, progress: bool = True, image_reader: ImageReader | None = None,
+                 splits: Mapping[str, Sequence[str]] | None = None,
+                 ignore_index: int = 255, class_names: Sequence[str] = ()) -> int:
     """Decode every file of ``pairs`` once, as the datasets will (see
-    :func:`remat.data.pairs.check_pair`; up to 4 threads), with a progress bar on a terminal.
+    :func:`remat.data.pairs.inspect_pair`; up to 4 threads), with a progress bar on a
+    terminal, and check the labels.
 
     Args:
         pairs: the pairs to check.
         image_mode: how the datasets read the images (``"rgb"``, ``"grey"``, ``"grey_rgb"``).
-        decode_mask: the dataset's mask decoder.
+        decode_mask: the dataset's mask decoder; its ``encoding_problem(path)``, when it has
+            one, reports raw files the encoding misreads (0/1 label maps under a threshold
+            of 128, JPEG noise read as foreground).
         title: what is checked, for messages (``"ISBI 2012 EM membranes at /data/...,
             train and val splits"``).
         progress: show a tqdm bar (only on a terminal in any case).
+        image_reader: the datasets' image reader, if not the 8-bit one.
+        splits: ``{split: [pair names]}``; each split whose masks hold one class only (no
+            foreground: an all-background split, or a label encoding that reads every pixel
+            as one class) is a problem.
+        ignore_index: the mask value that is no class.
+        class_names: names of the classes, for messages.
 
     Returns:
         The number of files checked.
 
     Raises:
-        DataCheckError: (a ``ValueError``) one or more bad files; the message lists every
-            one: path, what is wrong, what was expected.
+        DataCheckError: (a ``ValueError``) one or more bad files or splits; the message lists
+            every one: path, what is wrong, what was expected.
     """
     start = time.perf_counter()
     problems: list[DataFileError] = []
+    counts: dict[str, torch.Tensor] = {}
     files = sum(len(pair.files) for pair in pairs)
     # Decoding and reading release the GIL: a few threads overlap file reads with decoding.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        found = pool.map(lambda pair: check_pair(pair, image_mode, decode_mask), pairs)
-        for pair_problems in tqdm(found, total=len(pairs), desc="data check", unit="pair",
-                                  leave=False, disable=None if progress else True):
+        found = pool.map(lambda pair: inspect_pair(pair, image_mode, decode_mask,
+                                                   image_reader), pairs)
+        for pair, (pair_problems, pair_counts) in zip(pairs, tqdm(
+                found, total=len(pairs), desc="data check", unit="pair", leave=False,
+                disable=None if progress else True), strict=True):
             problems += pair_problems
+            if pair_counts is not None:
+                counts[pair.name] = pair_counts
+    for split, names in (splits or {}).items():
+        decoded = [counts[n] for n in names if n in counts]
+        if decoded and len(decoded) == len(names):
+            problem = _label_problem(split, len(names), sum(decoded), ignore_index,
+                                     class_names)
+            if problem is not None:
+                problems.append(problem)
     seconds = time.perf_counter() - start
     if problems:
-        bad = len({p.path for p in problems})
+        bad = len({p.path for p in problems if p.path is not None})
+        splits_bad = sum(p.path is None for p in problems)
+        head = f"{bad} of {files} files cannot be used" + (
+            f" and {splits_bad} split(s) have no foreground" if splits_bad else "")
         raise DataCheckError(
-            f"data check of {title}: {bad} of {files} files cannot be used (set "
-            "data.verify=false to skip this check and meet them during training):\n"
-            + "\n".join(f"  - {p}" for p in problems), problems)
+            f"data check of {title}: {head} (set data.verify=false to skip this check and "
+            "meet them during training):\n" + "\n".join(f"  - {p}" for p in problems),
+            problems)
     log.info("data check of %s: %d files decoded in %.1f s, none bad", title, files, seconds)
     return files

@@ -34,11 +34,11 @@ import torch
 from plan_acceptance import gradients  # scripts/, beside this file
 
 from remat.bench import ProfilerPeakMemory
-from remat.estimate import build_from_config
+from remat.build import build_from_config
 from remat.measure import format_bytes
 from remat.measure.parity import TOLERANCES, compare_gradients
 from remat.measure.step import autocast
-from remat.measure.trace import _batch, _optimizer, optimizer_steps
+from remat.measure.trace import optimizer_of, optimizer_steps, sized_batch
 from remat.planner import InfeasibleBudget, Planner, PlanStrategy
 from remat.strategies import NoCheckpoint
 
@@ -50,7 +50,7 @@ class Row:
         self.label, self.strategy = label, strategy
         torch.manual_seed(0)  # every row starts from the same weights
         self.model = build(strategy).train().to(device)
-        self.optimizer = _optimizer(self.model)
+        self.optimizer = optimizer_of(self.model)
         self.times: list[float] = []
         self.peak = 0
 
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> dict:
     for row in rows:
         row.peak = measure_peak(row, batch_size, size, device, precision)
     torch.manual_seed(11)
-    batch = _batch(rows[0].model, batch_size, size, device)
+    batch = sized_batch(rows[0].model, batch_size, size, device)
     for r in range(args.warmup + args.steps):  # interleaved rounds: every row once a round
         for row in rows:
             ms = timed_step(row, batch, device, precision)

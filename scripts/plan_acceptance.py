@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from remat.bench import ProfilerPeakMemory
-from remat.estimate import build_from_config
+from remat.build import build_from_config
 from remat.measure import format_bytes
 from remat.measure.parity import compare_gradients, gradients_of
 from remat.measure.step import autocast
-from remat.measure.trace import _batch, _optimizer, optimizer_steps
+from remat.measure.trace import optimizer_of, optimizer_steps, sized_batch
 from remat.planner import InfeasibleBudget, Planner, PlanStrategy
 from remat.strategies import NoCheckpoint, build_strategy
 
@@ -43,7 +43,7 @@ def allocator_peak(build, strategy, batch_size, size, precision) -> int:
     start (parameters and buffers held, everything else allocated inside)."""
     torch.manual_seed(0)
     model = build(strategy).train()
-    optimizer = _optimizer(model)
+    optimizer = optimizer_of(model)
     device = torch.device("cpu")
     with ProfilerPeakMemory(device, modules=[model]) as meter:
         optimizer_steps(model, optimizer, batch_size, size, device, precision, seed=10)
@@ -61,7 +61,7 @@ def gradients(build, strategy, batch_size, size, precision, batch=None,
     model = build(strategy).train().to(device)
     torch.manual_seed(99)
     if batch is None:
-        batch = _batch(model, batch_size, size, device)
+        batch = sized_batch(model, batch_size, size, device)
     torch.manual_seed(7)  # same dropout masks
     with autocast(device, precision):
         loss = model.training_loss(batch)

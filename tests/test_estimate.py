@@ -217,7 +217,7 @@ def test_in_process_trace_leaves_the_callers_random_state_alone(monkeypatch):
     process, whose seed must survive it."""
     import os
 
-    from remat.estimate import trace_step
+    from remat.measure.trace import trace_step
     from remat.models import SequenceModule
 
     monkeypatch.delattr(os, "fork")

@@ -57,7 +57,7 @@ def test_the_trace_with_temporaries_is_the_allocator_peak(tmp_path):
     without them the tensor-level trace is below it by the kernels' buffers and the batch."""
     from plan_acceptance import allocator_peak
 
-    from remat.estimate import build_from_config
+    from remat.build import build_from_config
 
     cfg = compose_config("estimate", tmp_path, ["model=unet_resnet18", "device=cpu",
                                                 "data.image_size=128", "data.batch_size=2"])
@@ -83,7 +83,7 @@ def test_planning_for_a_gpu_measures_temporaries_where_asked(tmp_path, monkeypat
     GPU present when there is one) and keeps the measured margin; by default a GPU plan
     made on a CPU keeps 2% + the largest convolution tensor free instead. The budget
     strategy passes the setting through to the planner."""
-    from remat.estimate import build_from_config
+    from remat.build import build_from_config
     from remat.planner import BudgetStrategy
     from remat.planner import planner as planner_module
     from remat.planner.planner import DEFAULT_MARGIN, MEASURED_MARGIN, Planner

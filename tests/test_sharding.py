@@ -100,7 +100,7 @@ def test_sharding_of_reads_world_size_or_the_fsdp_trainer(tmp_path):
 
 
 def test_effective_batch_not_divisible_by_world_size_names_both_keys(tmp_path):
-    from remat.plan import micro_batches
+    from remat.planner.frontier import micro_batches
     from tests.helpers import compose_app
 
     cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "world_size=4"])

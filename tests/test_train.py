@@ -165,6 +165,20 @@ def test_gpt_model_with_image_data_names_the_mismatch(tmp_path):
         require_keys({"image": 0, "mask": 0}, ("tokens",), "SequenceModule")
 
 
+def test_a_sequence_model_monitors_its_own_val_loss(tmp_path, shakespeare_root):
+    """``python train.py model=gpt_tiny data=tinyshakespeare``: the model config chooses its
+    monitor (val/loss, min), so the run passes the first validation's monitor check (with
+    train.yaml's val/dice it stopped there) and keeps its best checkpoint by val/loss."""
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, "model=gpt_tiny", "data=tinyshakespeare",
+                                   f"data.root={shakespeare_root}", "data.block_size=32",
+                                   "data.batch_size=4", "data.train_windows=8",
+                                   "data.val_windows=2", "model.sample_tokens=2"])
+    assert (cfg.monitor, cfg.monitor_mode) == ("val/loss", "min")
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["monitor"] == "val/loss"
+    assert 0 < summary["best_model_score"] < 10  # nats per character of a 65-symbol set
+
+
 def test_unet_with_text_data_names_model_and_data(tmp_path, shakespeare_root):
     cfg = compose_train(tmp_path, [*TINY_TRAINER, "data=tinyshakespeare",
                                    f"data.root={shakespeare_root}"])

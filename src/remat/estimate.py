@@ -33,36 +33,22 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import hydra
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
-from torch import nn
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
 
 from remat import run_shape
+from remat.build import build_from_config
 from remat.config import config_dir
 from remat.measure import format_bytes
-from remat.measure.trace import (  # noqa: F401 - part of this module's interface
-    Estimate,
-    _batch,
-    _data_dependent,
-    _optimizer,
-    materialize,
-    meta_clone,
-    trace_step,
-)
+from remat.measure.trace import Estimate, trace_step
 
 log = logging.getLogger(__name__)
-
-INT64_MAX = 2**63 - 1
-
 
 class NotTraceable(RuntimeError):
     """The configured strategy cannot be estimated under ``FakeTensorMode`` (the message says
@@ -90,91 +76,6 @@ def resolve_device(device: str) -> torch.device:
             raise ValueError(f"estimate {err}") from err
         raise ValueError(f"estimate device={device}: {_cuda_note()}; use device=cpu or "
                          "auto") from err
-
-
-def check_sizes(batch_size: Any, size: Any, size_key: str, channels: int = 1
-                ) -> tuple[int, int | tuple[int, int]]:
-    """Validate ``data.batch_size`` and the size key; the input tensor must fit int64.
-
-    Args:
-        batch_size, size: the config values; ``size`` is an image side (px), an image size
-            ``[h, w]`` (px; see :func:`remat.run_shape.normalize_size`) or a sequence length
-            (tokens), named by ``size_key`` (e.g. ``data.image_size``).
-        channels: input channels (images: ``h * w`` pixels each).
-
-    Returns:
-        ``(batch_size, size)``, a ``[h, w]`` size as a tuple (a square one as an int).
-
-    Raises:
-        ValueError: not an integer >= 1 (or a pair of them for image sizes), or the input's
-            element count overflows int64; the message names the key.
-    """
-    try:
-        batch_size = run_shape.normalize_size(batch_size, "data.batch_size")
-        size = run_shape.normalize_size(size, size_key)
-    except ValueError as err:
-        raise ValueError(f"estimate: {err}") from err
-    numel = batch_size * channels * run_shape.size_elements(size)
-    if numel > INT64_MAX:
-        raise ValueError(f"estimate: {size_key}={size} with data.batch_size={batch_size} "
-                         f"gives an input of {numel:.3e} elements, more than int64 can index "
-                         f"({INT64_MAX:.3e}); use a smaller {size_key}")
-    return batch_size, size
-
-
-def build_from_config(cfg: DictConfig
-                      ) -> tuple[Callable[[], nn.Module], str, int, int | tuple[int, int]]:
-    """Check the config and return ``(build, size_key, batch_size, size)``; ``build()``
-    instantiates ``cfg.strategy`` and ``cfg.model`` (scheduler dropped: one step), and
-    ``build.with_strategy(strategy, stages=None)`` the model with a given strategy object
-    (and other ``model.stages``).
-
-    Raises:
-        ValueError: bad sizes (naming the key) or precision.
-    """
-    size_key = run_shape.size_key_of(cfg.data, cfg.model)
-    if size_key is None:
-        raise ValueError("estimate: no input size: set data.image_size or data.patch_size "
-                         "(image models, px) or data.block_size (sequence models, tokens)")
-    size = OmegaConf.select(cfg, size_key)
-    channels = int(cfg.model.get("in_channels", 1) or 1)
-    batch_size, size = check_sizes(cfg.data.get("batch_size"), size, size_key, channels)
-    if str(cfg.precision) not in run_shape.TRACED_PRECISIONS:
-        raise ValueError(f"estimate: precision={str(cfg.precision)!r}; use "
-                         f"{', '.join(run_shape.TRACED_PRECISIONS)}")
-    model_cfg = cfg.model.copy()
-    with open_dict(model_cfg):
-        model_cfg.scheduler = None  # one step; its ${trainer...} interpolations need no trainer
-        if "block_size" in model_cfg and isinstance(size, int) and size > int(
-                model_cfg.block_size):
-            model_cfg.block_size = size  # positions must cover the sequence
-
-    for group, node in (("strategy", cfg.strategy), ("model", model_cfg)):
-        try:  # import here, once: the traces run in forked children, which would re-import
-            get_class(str(node._target_))
-        except Exception as err:
-            raise ValueError(f"estimate: config group '{group}' failed to build: _target_ "
-                             f"{node.get('_target_')!r} cannot be imported ({err})") from err
-
-    def build() -> nn.Module:
-        try:
-            strategy = instantiate(cfg.strategy)
-        except InstantiationException as err:
-            raise ValueError(f"estimate: config group 'strategy' failed to build "
-                             f"({cfg.strategy.get('_target_')}): {err}") from err
-        return build_with(strategy)
-
-    def build_with(strategy: Any, stages: Any = None) -> nn.Module:
-        try:
-            if stages is not None:
-                return instantiate(model_cfg, strategy=strategy, stages=list(stages))
-            return instantiate(model_cfg, strategy=strategy)
-        except InstantiationException as err:
-            raise ValueError(f"estimate: config group 'model' failed to build "
-                             f"({model_cfg.get('_target_')}): {err}") from err
-
-    build.with_strategy = build_with  # type: ignore[attr-defined] - the planner's builder
-    return build, size_key, batch_size, size
 
 
 def _untraceable_strategy(cfg: DictConfig) -> str | None:

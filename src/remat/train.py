@@ -41,6 +41,7 @@ from remat.models.checks import (
     read_checkpoint,
 )
 from remat.planner import InfeasibleBudget, PlanInputError, PlanMismatch
+from remat.planner.run import plan_for_run, resumed_replay
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,9 @@ def _strategy(cfg: DictConfig, ckpt: dict[str, Any] | None = None,
     """``cfg.strategy`` instantiated; a memory budget (``strategy=budget``) is planned here,
     before the model is built, or, resuming, takes the plan saved in ``ckpt`` where that
     plan answers the same budget for the same run; a replayed plan (``strategy=plan``) is
-    resumed with the plan saved in ``ckpt``, not the file (:func:`remat.plan.resumed_replay`),
-    and checked against the run (:func:`remat.plan.plan_for_run`)."""
-    from remat.plan import plan_for_run, resumed_replay
-
+    resumed with the plan saved in ``ckpt``, not the file
+    (:func:`remat.planner.run.resumed_replay`), and checked against the run
+    (:func:`remat.planner.run.plan_for_run`)."""
     strategy = resumed_replay(cfg, ckpt, ckpt_path) or instantiate(cfg.strategy)
     return plan_for_run(cfg, strategy, ckpt, ckpt_path)
 

@@ -16,9 +16,10 @@ from hydra.core.utils import configure_log
 from hydra.types import RunMode
 from omegaconf import read_write
 
-from remat.plan import MARKERS, Point, check_plan_fits, frontier_figure, plan_for_run
 from remat.plan import run as plan_run
 from remat.planner import InfeasibleBudget, Plan, PlanMismatch, PlanStrategy, devices
+from remat.planner.frontier import MARKERS, Point, frontier_figure
+from remat.planner.run import check_plan_fits, plan_for_run
 from remat.train import main as train_main
 from tests.helpers import TINY, compose_app, compose_train
 
@@ -65,16 +66,16 @@ def test_a_plan_of_another_run_shape_or_network_fails_in_one_line(tmp_path, fiel
 def test_a_plan_for_another_device_warns_and_trains(tmp_path, caplog):
     cfg = compose_train(tmp_path, TINY)  # trainer.accelerator=cpu
     path = _plan_file(tmp_path, device="h100")
-    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+    with caplog.at_level(logging.WARNING, logger="remat.planner.run"):
         strategy = plan_for_run(cfg, PlanStrategy(path=str(path)))
     assert isinstance(strategy, PlanStrategy)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"strategy.path='{path}': the plan was made for device h100, this run "
                         "trains on cpu; its predicted peak (3.0 MiB) holds on h100 only. "
                         "Plan again for this device: strategy=budget strategy.device=cpu (or "
-                        "python -m remat.plan ... device=cpu)"]
+                        "python -m remat.plan ... strategy.device=cpu)"]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+    with caplog.at_level(logging.WARNING, logger="remat.planner.run"):
         plan_for_run(cfg, PlanStrategy(path=str(_plan_file(tmp_path, device="cpu"))))
     assert not caplog.records  # a cpu plan on this CPU
 
@@ -86,7 +87,7 @@ def test_a_budget_planned_for_another_device_warns(tmp_path, caplog):
 
     cfg = compose_train(tmp_path, [*TINY, "strategy=budget", "strategy.memory=0.5",
                                    "strategy.device=h100"])
-    with caplog.at_level(logging.WARNING, logger="remat.plan"):
+    with caplog.at_level(logging.WARNING, logger="remat.planner.run"):
         strategy = plan_for_run(cfg, BudgetStrategy(memory=0.5, device="h100"))
     assert isinstance(strategy, PlanStrategy) and strategy.plan.device == "h100"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -152,14 +153,13 @@ def _hydra_job_logging(cfg):
 
 def test_the_report_reaches_plan_log_and_the_console_once(tmp_path, capsys):
     cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "+data.block_size=32",
-                                         "data.batch_size=1", "device=h100", "budgets=0",
-                                         "fixed=false", "memory=0.5", "max_traces=1"])
+                                         "data.batch_size=1", "strategy.device=h100",
+                                         "budgets=0", "fixed=false", "strategy.memory=0.5",
+                                         "strategy.max_traces=1"])
     with _hydra_job_logging(cfg):
         result = plan_run(cfg)
     command = "  python train.py " + " ".join(result["train_overrides"])
-    # a sequence model: train.yaml's monitor (a segmentation model's val/dice) is replaced
     assert command == (f"  python train.py model=gpt_tiny +data.block_size=32 data.batch_size=1 "
-                       f"monitor=val/loss monitor_mode=min "
                        f"strategy=plan strategy.path={tmp_path / 'plan.json'}")
     console = capsys.readouterr().out.splitlines()
     head = ("plan for GPT, batch 1, size 32, 32-true, on NVIDIA H100 SXM5 80GB (h100; NVIDIA "
@@ -175,8 +175,8 @@ def test_effective_batch_writes_the_marked_micro_batch_plan_and_its_command(tmp_
     # data.batch_size x accumulate_grad_batches is one row of the search (its planner is
     # reused): the table marks the other one
     plan_args = ["model=gpt_tiny", "+data.block_size=32", "data.batch_size=1",
-                 "accumulate_grad_batches=2", "device=h100", "budgets=0", "fixed=false",
-                 "memory=0.5", "max_traces=1", "effective_batch_size=2"]
+                 "accumulate_grad_batches=2", "strategy.device=h100", "budgets=0", "fixed=false",
+                 "strategy.memory=0.5", "strategy.max_traces=1", "effective_batch_size=2"]
     with caplog.at_level(logging.INFO, logger="remat.plan.report"):
         result = plan_run(compose_app("plan", tmp_path, plan_args))
     marked = [r for r in result["micro_batches"] if r.get("fastest")]
@@ -188,8 +188,7 @@ def test_effective_batch_writes_the_marked_micro_batch_plan_and_its_command(tmp_
     assert saved == result["plan"] == marked[0]["plan"]
     assert result["train_overrides"] == [
         "model=gpt_tiny", "+data.block_size=32", "data.batch_size=2",
-        "accumulate_grad_batches=1", "monitor=val/loss", "monitor_mode=min", "strategy=plan",
-        f"strategy.path={path}"]
+        "accumulate_grad_batches=1", "strategy=plan", f"strategy.path={path}"]
     printed = "\n".join(r.getMessage() for r in caplog.records).splitlines()
     assert ("plan for micro-batch 2 x accumulate_grad_batches 1 (the fastest that fits):"
             in printed)
@@ -207,11 +206,12 @@ def test_effective_batch_writes_the_marked_micro_batch_plan_and_its_command(tmp_
 @pytest.mark.slow  # about 20 s: each infeasible row works out what would fit instead
 def test_effective_batch_with_no_micro_batch_that_fits_is_an_infeasible_budget(tmp_path):
     cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "+data.block_size=32",
-                                         "data.batch_size=1", "device=h100", "budgets=0",
-                                         "fixed=false", "memory=1MiB", "max_traces=1",
-                                         "effective_batch_size=2"])
+                                         "data.batch_size=1", "strategy.device=h100",
+                                         "budgets=0", "fixed=false", "strategy.memory=1MiB",
+                                         "strategy.max_traces=1", "effective_batch_size=2"])
     with pytest.raises(InfeasibleBudget, match=r"^effective_batch_size=2: no micro-batch fits "
-                                               r"memory=1MiB; micro-batch 1: memory=1.0 MiB: "
+                                               r"strategy.memory=1MiB; micro-batch 1: "
+                                               r"strategy.memory=1.0 MiB: "
                                                r"no plan fits\. The smallest peak"):
         plan_run(cfg)  # remat.plan's main: the message on stderr, exit code 2
     assert not (tmp_path / "plan.json").exists()
@@ -220,7 +220,7 @@ def test_effective_batch_with_no_micro_batch_that_fits_is_an_infeasible_budget(t
 def test_bad_planner_settings_and_infeasible_budgets_end_a_run_without_a_traceback(
         tmp_path, capsys):
     """``python train.py strategy=budget strategy.memory=abc`` and ``python -m remat.plan
-    memory=0``: one line naming the key (exit code 1); a budget below what any plan needs:
+    strategy.memory=0``: one line naming the key (exit code 1); a budget below what any plan needs:
     what would fit, on stderr, exit code 2 (as remat.plan gives it)."""
     from remat.plan import main as plan_main
 
@@ -234,10 +234,10 @@ def test_bad_planner_settings_and_infeasible_budgets_end_a_run_without_a_traceba
     with pytest.raises(SystemExit) as stop:
         train_main.__wrapped__(as_single_run(cfg))
     assert str(stop.value.code).startswith("error: strategy.memory='abc': cannot read")
-    cfg = compose_app("plan", tmp_path / "plan", ["memory=0"])
+    cfg = compose_app("plan", tmp_path / "plan", ["strategy.memory=0"])
     with pytest.raises(SystemExit) as stop:
         plan_main.__wrapped__(as_single_run(cfg))
-    assert str(stop.value.code).startswith("error: memory=0: a memory budget must be > 0")
+    assert str(stop.value.code).startswith("error: strategy.memory=0: a memory budget must be > 0")
     cfg = compose_train(tmp_path / "tight", [*TINY, "strategy=budget", "strategy.memory=2MiB",
                                              "strategy.device=h100"])
     with pytest.raises(SystemExit) as stop:
@@ -252,19 +252,20 @@ def test_the_printed_train_command_chooses_an_experiment_as_train_py_does(tmp_pa
     (``+experiment=`` there fails with 'Multiple values for experiment')."""
     from remat.plan import train_overrides
 
-    compose_app("plan", tmp_path / "plan", ["+experiment=shakespeare_gpt", "memory=1GiB",
+    compose_app("plan", tmp_path / "plan", ["+experiment=shakespeare_gpt", "strategy.memory=1GiB",
                                             "data.batch_size=4"])
-    overrides = train_overrides(tmp_path / "plan.json", sequence=True)
+    overrides = train_overrides(tmp_path / "plan.json")
     assert overrides == ["experiment=shakespeare_gpt", "data.batch_size=4", "strategy=plan",
                          f"strategy.path={tmp_path / 'plan.json'}"]
     cfg = compose_train(tmp_path / "train", overrides)
     assert cfg.monitor == "val/loss" and cfg.strategy.path == str(tmp_path / "plan.json")
-    # without an experiment a sequence model's command sets the monitor itself (train.yaml's
-    # val/dice is a segmentation metric: the printed command failed after validation)
+    # without an experiment a sequence model monitors its own val/loss (its model config
+    # chooses monitor_preset/val_loss; train.yaml's val/dice is a segmentation metric)
     compose_app("plan", tmp_path / "plan2", ["model=gpt_tiny", "data=tinyshakespeare",
-                                             "memory=1GiB"])
-    overrides = train_overrides(tmp_path / "plan.json", sequence=True)
-    assert overrides[-4:-2] == ["monitor=val/loss", "monitor_mode=min"]
+                                             "strategy.memory=1GiB"])
+    overrides = train_overrides(tmp_path / "plan.json")
+    assert overrides == ["model=gpt_tiny", "data=tinyshakespeare", "strategy=plan",
+                         f"strategy.path={tmp_path / 'plan.json'}"]
     cfg = compose_train(tmp_path / "train2", overrides)
     assert (cfg.monitor, cfg.monitor_mode) == ("val/loss", "min")
 
@@ -276,5 +277,5 @@ def test_remat_plan_does_not_overwrite_a_plan_a_run_may_train_with(tmp_path):
 
     (tmp_path / "plan.json").write_text('{"units": []}')
     with pytest.raises(PlanInputError, match="plan.json exists: a run may train with it"):
-        plan_run(compose_app("plan", tmp_path, ["memory=1GiB"]))
+        plan_run(compose_app("plan", tmp_path, ["strategy.memory=1GiB"]))
     assert (tmp_path / "plan.json").read_text() == '{"units": []}'

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import open_dict
 
-from remat.estimate import build_from_config
+from remat.build import build_from_config
 from remat.measure import format_bytes
 from remat.measure.parity import compare_gradients, gradients_of
 from remat.measure.trace import trace_step
@@ -100,7 +100,7 @@ def test_frontier_stops_at_the_device_memory(gpt, monkeypatch):
     154 GiB without checkpointing, an H100 has 80 GB): the frontier ends there."""
     import dataclasses
 
-    from remat.plan import frontier
+    from remat.planner.frontier import frontier
 
     planner, _ = gpt
     _, floor = planner.floor()

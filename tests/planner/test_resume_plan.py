@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from remat.models.base import STRATEGY_STATE_KEY
 from remat.planner import Plan, PlanMismatch, UnitPlan
+from remat.strategies import STRATEGY_STATE_KEY
 from remat.train import train
 from tests.helpers import TINY_TRAINER, compose_train
 
@@ -25,8 +25,7 @@ BUDGET = "36MiB"
 def tiny_gpt(root) -> list[str]:
     return ["model=gpt_tiny", "data=tinyshakespeare", f"data.root={root}",
             "data.block_size=128", "data.batch_size=8", "data.train_windows=32",
-            "data.val_windows=2", "model.sample_tokens=4", "monitor=val/loss",
-            "monitor_mode=min", *TINY_TRAINER]
+            "data.val_windows=2", "model.sample_tokens=4", *TINY_TRAINER]
 
 
 def gpt(root, memory: str = BUDGET) -> list[str]:

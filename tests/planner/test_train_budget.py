@@ -19,8 +19,9 @@ NET = ["model.arch_kwargs.decoder_channels=[32,16,16,8,8]", "data.image_size=128
 def planned(tmp_path_factory):
     """The CLI's frontier-free run for a budget between the floor and none."""
     out = tmp_path_factory.mktemp("plan")
-    cfg = compose_app("plan", out, [*NET, "data.batch_size=4", "device=cpu", "budgets=0",
-                                    "fixed=false", "memory=0.5", "max_traces=2"])
+    cfg = compose_app("plan", out, [*NET, "data.batch_size=4", "strategy.device=cpu",
+                                    "budgets=0", "fixed=false", "strategy.memory=0.5",
+                                    "strategy.max_traces=2"])
     first = plan_run(cfg)
     none = first["none_peak_bytes"]
     plan = first["plan"]
@@ -86,7 +87,8 @@ def test_bad_budget_keys_fail_naming_the_key(tmp_path):
 
 def _frontier(tmp_path, extra):
     cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "+data.block_size=32",
-                                         "data.batch_size=2", "device=cpu", "max_traces=2",
+                                         "data.batch_size=2", "strategy.device=cpu",
+                                         "strategy.max_traces=2",
                                          *extra])
     return plan_run(cfg)
 
@@ -108,7 +110,8 @@ def test_plan_cli_frontier_files(tmp_path):
 
 @pytest.mark.slow
 def test_plan_cli_fixed_points_and_micro_batches(tmp_path):
-    result = _frontier(tmp_path, ["budgets=3", "memory=0.5", "effective_batch_size=4"])
+    result = _frontier(tmp_path, ["budgets=3", "strategy.memory=0.5",
+                                   "effective_batch_size=4"])
     labels = [p["label"] for p in result["frontier"] if p["kind"] == "fixed"]
     assert "none" in labels and "sqrtn (default stages)" in labels
     assert "selective matmul (whole network)" in labels

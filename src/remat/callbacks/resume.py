@@ -15,47 +15,19 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import random
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Sampler
 
+from remat.rng import rng_state, set_rng_state
+
 log = logging.getLogger(__name__)
-
-
-def rng_state() -> dict[str, Any]:
-    """The global RNG states (torch CPU and CUDA, numpy, Python ``random``) as tensors and
-    ints only, so the checkpoint loads with ``torch.load(weights_only=True)``."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
-        "python": {"version": int(version), "state": list(internal), "gauss": gauss},
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Put back what :func:`rng_state` returned (CUDA states only where CUDA is present and
-    the device count matches)."""
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda") or []
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-    npy = state["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached"]))
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
 
 
 def _rank_and_world() -> tuple[int, int]:

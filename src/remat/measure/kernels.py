@@ -273,13 +273,13 @@ def signatures_fn(build: Callable[[], torch.nn.Module], batch_size: int, size: A
     Measure them with :func:`measure_temporaries` in a process that may run kernels on
     several threads (not a forked child: OpenMP's thread pool does not survive a fork).
     """
-    from remat.measure.trace import _optimizer, built_fn, optimizer_steps
+    from remat.measure.trace import built_fn, optimizer_of, optimizer_steps
 
     device = torch.device(device)
 
     def steps(model: torch.nn.Module) -> list[Call]:
         model.train()
-        optimizer = _optimizer(model)
+        optimizer = optimizer_of(model)
         calls = record_signatures(lambda: optimizer_steps(
             model, optimizer, batch_size, size, device, precision), min_bytes)[1]
         return [Call(str(c.func), c.args, c.kwargs) for c in calls.values()]

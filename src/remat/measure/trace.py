@@ -57,7 +57,10 @@ class Estimate:
     torch_version: str = field(default_factory=lambda: torch.__version__)
 
 
-def _optimizer(module: nn.Module) -> torch.optim.Optimizer:
+def optimizer_of(module: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of ``module.configure_optimizers()`` (a LightningModule's hook): the
+    first of a list, or the ``optimizer`` entry of Lightning's dict form; the scheduler, if
+    any, is left out (a trace or check runs a step or two)."""
     configured = module.configure_optimizers()
     if isinstance(configured, dict):
         configured = configured["optimizer"]
@@ -113,10 +116,11 @@ def materialize(module: nn.Module, device: torch.device) -> nn.Module:
     return module
 
 
-def _batch(model: nn.Module, batch_size: int, size: int | tuple[int, int],
-           device: torch.device) -> dict[str, torch.Tensor]:
-    """``model.example_batch`` at ``size``; an ``(h, w)`` size crops a square batch of side
-    ``max(h, w)`` to ``[..., h, w]`` (image ``[B, C, h, w]``, mask ``[B, h, w]``)."""
+def sized_batch(model: nn.Module, batch_size: int, size: int | tuple[int, int],
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """``model.example_batch(batch_size, size)`` on ``device``; an ``(h, w)`` size (px)
+    crops a square batch of side ``max(h, w)`` to ``[..., h, w]`` (image ``[B, C, h, w]``,
+    mask ``[B, h, w]``); an int is a square side (px) or a sequence length (tokens)."""
     if isinstance(size, int):
         batch = model.example_batch(batch_size, size)
     else:
@@ -135,7 +139,7 @@ def optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch_si
     for step in range(steps):
         if seed is not None:
             torch.manual_seed(seed + step)
-        batch = _batch(model, batch_size, size, device)
+        batch = sized_batch(model, batch_size, size, device)
         with autocast(device, precision):
             loss = model.training_loss(batch)
         optimizer.zero_grad(set_to_none=True)
@@ -238,13 +242,13 @@ def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[i
 
     def run_seeded(model: nn.Module) -> tuple[str, Any]:
         model.train()
-        optimizer = _optimizer(model)
+        optimizer = optimizer_of(model)
         peaks = []
         scale = 1.0 / accumulate_grad_batches
         flops = None
         for _ in range(2):
             for zero_grad, step in lightning_micro_steps(accumulate_grad_batches):
-                batch = _batch(model, batch_size, size, device)
+                batch = sized_batch(model, batch_size, size, device)
                 if count_flops and flops is None:
                     flops = _step_flops(model, batch, optimizer, precision, device)
                 peaks.append(_micro_peak(model, batch, optimizer, device, precision,

@@ -10,6 +10,7 @@ import lightning as L
 from torch import nn
 
 from remat.strategies import (
+    STRATEGY_STATE_KEY,
     CheckpointStrategy,
     NoCheckpoint,
     StageError,
@@ -18,12 +19,6 @@ from remat.strategies import (
 from remat.strategies.stages import AUTO, discover_units, module_listing, stage_setting
 
 log = logging.getLogger(__name__)
-
-#: Key of a Lightning checkpoint under which the strategy's own record is kept
-#: (:meth:`~remat.strategies.CheckpointStrategy.state_for_checkpoint`: a plan and what it
-#: was planned for), as plain data.
-STRATEGY_STATE_KEY = "remat_strategy"
-
 
 class StrategyModule(L.LightningModule):
     """Base LightningModule: ``self.net`` with ``strategy`` applied to ``stages``.
@@ -144,9 +139,9 @@ class StrategyModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the strategy's record (a plan, with what it was planned for) in every
         checkpoint, under :data:`STRATEGY_STATE_KEY`: a run resumed with ``strategy=budget``
-        trains on with that plan instead of planning again (:func:`remat.plan.plan_for_run`),
+        trains on with that plan instead of planning again (:func:`remat.planner.run.plan_for_run`),
         one resumed with ``strategy=plan`` instead of reading ``strategy.path`` again
-        (:func:`remat.plan.resumed_replay`)."""
+        (:func:`remat.planner.run.resumed_replay`)."""
         state = self.strategy.state_for_checkpoint()
         if state is not None:
             checkpoint[STRATEGY_STATE_KEY] = state

@@ -51,6 +51,7 @@ from remat.planner.search import (
 )
 from remat.strategies.base import CheckpointStrategy
 from remat.strategies.none import NoCheckpoint
+from remat.strategies.registry import FIXED_POINTS, build_strategy
 from remat.strategies.segments import every_k_segments, sqrt_segments
 
 log = logging.getLogger(__name__)
@@ -79,10 +80,6 @@ def keep_segments(n: int) -> list[tuple[int, int, str]]:
 
 def full_segments(n: int) -> list[tuple[int, int, str]]:
     return [(i, i + 1, "recompute") for i in range(n)]
-
-
-def selective_segments(n: int) -> list[tuple[int, int, str]]:
-    return [(i, i + 1, "selective") for i in range(n)]
 
 
 def sqrt_segments_of(n: int) -> list[tuple[int, int, str]]:
@@ -190,7 +187,7 @@ class Planner:
                  calibrate: bool = False, key: str = "strategy", world_size: int = 1,
                  reshard_after_forward: bool = True, temporaries: bool | None = None
                  ) -> None:
-        self.key = key  # config prefix of memory/device/units in messages ("" for remat.plan)
+        self.key = key  # config prefix of memory/device/units in messages ("": none)
         check_options(objective, 0.0 if margin is None else margin, key)
         self.objective = objective
         self.default_stages = list(default_stages or [])
@@ -411,20 +408,25 @@ class Planner:
         return evaluate_chain(blocks, replayable_segments(blocks, segments), self.free)
 
     def references(self, default_stages: Sequence[str] = ()) -> list[tuple[str, Plan]]:
-        """The fixed strategies written as plans of the candidate units: ``full``,
-        ``sqrtn``, ``every_k`` k=2/4 and ``selective`` over the whole network and over
-        ``default_stages`` (those of them that are candidate units)."""
+        """The fixed strategies of :data:`remat.strategies.FIXED_POINTS` (``none`` aside:
+        ``full``, ``sqrtn``, ``every_k`` k=2/4, ``selective``) written as plans of the
+        candidate units, each unit's segments those the strategy gives a chain of its
+        blocks (``segments_for``, in its ``segment_mode``), over the whole network and over
+        ``default_stages`` (those of them that are candidate units); labels
+        ``"<label> (whole network)"`` and ``"<label> (default stages)"``."""
         whole = [u.path for u in self.profile.units]
         sets = [("whole network", whole)]
         chosen = [p for p in default_stages if p in whole]
         if chosen and chosen != whole:
             sets.append(("default stages", chosen))
+        fixed = [(label, build_strategy(name, **kwargs)) for label, name, kwargs in FIXED_POINTS
+                 if name != "none"]
         out = []
         for label, paths in sets:
-            for name, segments in (("full", full_segments), ("sqrtn", sqrt_segments_of),
-                                   ("every_k k=2", lambda n: k_segments(n, 2)),
-                                   ("every_k k=4", lambda n: k_segments(n, 4)),
-                                   ("selective matmul", selective_segments)):
+            for name, strategy in fixed:
+                def segments(n: int, s: Any = strategy) -> list[tuple[int, int, str]]:
+                    return [(a, b, s.segment_mode) for a, b in s.segments_for(n)]
+
                 choice = {u.path: self._option(u.path, segments(len(u.blocks))
                                                if u.path in paths else keep_segments(
                                                    len(u.blocks))) for u in self.profile.units}

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.measure.step import autocast
-from remat.measure.trace import _batch, run_built
+from remat.measure.trace import run_built, sized_batch
 from remat.planner.devices import DeviceSpec
 from remat.strategies.segmented import CHAIN_TYPES, chain_members
 from remat.strategies.selective import (
@@ -389,7 +389,7 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
                 saved_by[key] = (recorder.stack[-1] if recorder.stack else None, _nbytes(t))
             return t
 
-        batch = _batch(model, batch_size, size, torch_device)
+        batch = sized_batch(model, batch_size, size, torch_device)
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with autocast(torch_device, precision):
                 loss = model.training_loss(batch)
@@ -497,7 +497,7 @@ def calibrate_profile(profile: Profile, build: Callable[[], nn.Module], batch_si
 
         handles += [named[path].register_forward_pre_hook(pre),
                     named[path].register_forward_hook(post)]
-    batch = _batch(model, batch_size, size, device)
+    batch = sized_batch(model, batch_size, size, device)
     steps = []
     try:
         for i in range(rounds + 1):

@@ -5,14 +5,14 @@
 >>> report = strategy.apply(model, stages=["encoder.layer*"])  # doctest: +SKIP
 """
 
-from remat.strategies.base import CheckpointStrategy, StrategyReport
+from remat.strategies.base import STRATEGY_STATE_KEY, CheckpointStrategy, StrategyReport
 from remat.strategies.compiled import CompileBudget
 from remat.strategies.every_k import EveryK
 from remat.strategies.full import FullCheckpoint
 from remat.strategies.none import NoCheckpoint
 from remat.strategies.offload import OffloadCheckpoint
 from remat.strategies.recompute import RecomputeError, is_recomputing
-from remat.strategies.registry import STRATEGIES, build_strategy
+from remat.strategies.registry import FIXED_POINTS, STRATEGIES, build_strategy
 from remat.strategies.segmented import RecomputeStrategy
 from remat.strategies.segments import balanced_segments, every_k_segments, sqrt_segments
 from remat.strategies.selective import SelectiveCheckpoint
@@ -22,7 +22,9 @@ from remat.strategies.timm_native import TimmNative
 from remat.strategies.wrapping import unwrap_all
 
 __all__ = [
+    "FIXED_POINTS",
     "STRATEGIES",
+    "STRATEGY_STATE_KEY",
     "CheckpointStrategy",
     "CompileBudget",
     "EveryK",

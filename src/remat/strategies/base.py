@@ -10,6 +10,11 @@ from torch import nn
 from remat.strategies import wrapping
 from remat.strategies.stages import resolve_stages
 
+#: Key of a Lightning checkpoint under which the strategy's own record is kept
+#: (:meth:`CheckpointStrategy.state_for_checkpoint`: a plan and what it was planned for),
+#: as plain data.
+STRATEGY_STATE_KEY = "remat_strategy"
+
 
 @dataclass
 class StrategyReport:

@@ -134,6 +134,7 @@ class OffloadCheckpoint(RecomputeStrategy):
     """
 
     name = "offload"
+    segment_mode = "offload"
 
     def __init__(self, pin_memory: bool = True, segments: str | None = None,
                  k: int = 2) -> None:

@@ -19,6 +19,13 @@ STRATEGIES: dict[str, type[CheckpointStrategy]] = {
                               OffloadCheckpoint, CompileBudget, TimmNative)
 }
 
+#: The fixed strategies a plan is compared against (``remat.plan``'s frontier, the
+#: planner's reference plans): ``(label, registry name, constructor arguments)``.
+FIXED_POINTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("none", "none", {}), ("full", "full", {}), ("sqrtn", "sqrtn", {}),
+    ("every_k k=2", "every_k", {"k": 2}), ("every_k k=4", "every_k", {"k": 4}),
+    ("selective matmul", "selective", {"policy": "matmul"}))
+
 
 def build_strategy(name: str, **overrides: Any) -> CheckpointStrategy:
     """Build a strategy by registry name, as ``configs/strategy/<name>.yaml`` does.

@@ -45,6 +45,9 @@ class RecomputeStrategy(CheckpointStrategy):
     """
 
     recomputes = True
+    #: How a plan writes this strategy's segments (a :class:`remat.planner.UnitPlan`
+    #: segment's mode): ``recompute`` (whole segment), ``selective``, ``offload``.
+    segment_mode = "recompute"
 
     #: Callable giving a (forward, recompute) context pair for each checkpointed region, or
     #: ``None``; strategies that steer what is saved inside a unit (selective) define it.

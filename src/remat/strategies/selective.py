@@ -636,6 +636,7 @@ class SelectiveCheckpoint(RecomputeStrategy):
     """
 
     name = "selective"
+    segment_mode = "selective"
 
     def __init__(self, policy: str = "matmul", ops: Sequence[str] | None = None) -> None:
         if policy not in POLICIES:

@@ -1,0 +1,229 @@
+"""The memory/recompute frontier of a model and the micro-batch search (``remat.plan``).
+
+:func:`frontier` plans budgets evenly spaced from the floor to ``none``'s peak;
+:func:`fixed_points` traces the registry's fixed strategies
+(:data:`remat.strategies.FIXED_POINTS`) on the model's default stages and on the whole
+network; :func:`write_frontier` writes them as ``frontier.csv`` and ``frontier.png``.
+:func:`micro_batches` plans every micro-batch of an effective batch and models the
+samples/s of each.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from remat import run_shape
+from remat.measure import format_bytes
+from remat.planner.memory import PlanInputError
+from remat.planner.planner import InfeasibleBudget, Planner
+from remat.planner.run import planner_for, run_shape_of
+from remat.strategies import FIXED_POINTS, build_strategy
+
+
+@dataclass
+class Point:
+    """One point of the frontier: a plan for a budget or a fixed strategy (bytes, FLOPs)."""
+
+    kind: str  # "plan" | "fixed"
+    label: str
+    budget_bytes: int | None
+    peak_bytes: int | None
+    recompute_flops: int | None
+    flops_ratio: float | None
+    overhead: float | None
+    note: str = ""
+
+
+def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:
+    """One point per fixed strategy of :data:`remat.strategies.FIXED_POINTS`, traced on
+    ``default_stages`` and on the whole network (every candidate unit; ``none`` once):
+    its traced allocator peak (bytes), extra FLOPs over ``none`` and modelled step time x
+    ``none`` (the same strategy written as a plan, :meth:`Planner.references`). A
+    strategy that cannot apply to the stages is a point with its error as the note.
+    ``build(strategy, stages)`` builds the model."""
+    whole = [u.path for u in planner.profile.units]
+    # modelled step time of each fixed strategy: the same strategy written as a plan
+    modelled = {label: 1.0 + planner.modelled_time(plan) / max(planner.profile.step_time,
+                                                                 1e-12)
+                for label, plan in planner.references(default_stages)}
+    points = []
+    for stages_label, stages in (("default stages", default_stages), ("whole network", whole)):
+        for label, name, kwargs in FIXED_POINTS:
+            if name == "none" and stages_label == "whole network":
+                continue
+            strategy = build_strategy(name, **kwargs)
+            try:
+                traced = planner.none if name == "none" else planner.trace(
+                    strategy, lambda s, st=stages: build(s, st), key=stages_label)
+            except Exception as err:  # noqa: BLE001 - one strategy that cannot apply
+                points.append(Point("fixed", f"{label} ({stages_label})", None, None, None,
+                                    None, None, f"{type(err).__name__}: {err}"[:200]))
+                continue
+            extra = max(0, traced.step_flops - planner.none.step_flops)
+            full_label = f"{label} ({stages_label})" if name != "none" else "none"
+            points.append(Point("fixed", full_label, None, traced.allocator_peak, extra,
+                                1 + extra / max(planner.none.step_flops, 1),
+                                1.0 if name == "none" else modelled.get(full_label)))
+    return points
+
+
+def frontier(planner: Planner, count: int) -> list[Point]:
+    """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none's, or
+    to the device's memory where none needs more (gpt_medium at 8192 tokens on an H100:
+    154 GiB); one note instead where the floor needs more than the device has."""
+    _, floor = planner.floor()
+    low = planner.budget_for(floor.allocator_peak)
+    high = planner.budget_for(planner.none.allocator_peak)
+    device = planner.spec.memory_bytes
+    if device and high > device:
+        if low > device:
+            return [Point("plan", "plan", low, None, None, None, None,
+                          f"the floor plus margin is more than the device's memory "
+                          f"({format_bytes(device)})")]
+        high = device
+    points = []
+    for i in range(count):
+        budget = low + (high - low) * i // max(1, count - 1)
+        try:
+            plan = planner.plan(budget).plan
+        except InfeasibleBudget as err:
+            points.append(Point("plan", "plan", budget, None, None, None, None,
+                                str(err).splitlines()[0]))
+            continue
+        points.append(Point("plan", "plan", budget, plan.predicted_allocator_peak_bytes,
+                            plan.recompute_flops,
+                            1 + plan.recompute_flops / max(plan.step_flops, 1),
+                            plan.predicted_overhead))
+    return points
+
+
+def format_points(points: list[Point]) -> str:
+    """Plain-text table of frontier points (MiB/GiB)."""
+    lines = [f"{'':<36}{'budget':>12}{'peak':>12}{'FLOPs x none':>14}{'time x none':>13}"]
+    for p in points:
+        def fmt(v: int | None) -> str:
+            return format_bytes(v) if v is not None else "-"
+
+        lines.append(f"{p.label:<36}{fmt(p.budget_bytes):>12}{fmt(p.peak_bytes):>12}"
+                     + (f"{p.flops_ratio:>14.3f}" if p.flops_ratio is not None else f"{'-':>14}")
+                     + (f"{p.overhead:>13.3f}" if p.overhead is not None else f"{'-':>13}")
+                     + (f"  {p.note}" if p.note else ""))
+    return "\n".join(lines)
+
+
+#: Marker of each fixed strategy in ``frontier.png`` (by its label without the stages).
+MARKERS = {"none": "s", "full": "v", "sqrtn": "^", "every_k k=2": "<", "every_k k=4": ">",
+           "selective matmul": "D"}
+
+
+def write_frontier(points: list[Point], out: Path, title: str) -> None:
+    """``frontier.csv`` and ``frontier.png`` (:func:`frontier_figure`)."""
+    with (out / "frontier.csv").open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["kind", "label", "budget_bytes", "peak_bytes", "recompute_flops",
+                         "flops_x_none", "modelled_time_x_none", "note"])
+        for p in points:
+            writer.writerow([p.kind, p.label, p.budget_bytes, p.peak_bytes, p.recompute_flops,
+                             p.flops_ratio, p.overhead, p.note])
+    import matplotlib.pyplot as plt
+
+    fig = frontier_figure(points, title)
+    fig.savefig(out / "frontier.png", dpi=120)
+    plt.close(fig)
+
+
+def frontier_figure(points: list[Point], title: str) -> Any:
+    """The frontier as a matplotlib ``Figure`` (Agg): traced peak (MiB) against step FLOPs
+    x none, the plans as a line, each fixed strategy with its own marker and colour, filled
+    on the model's default stages and hollow (larger) on the whole network, so points that
+    coincide still show. A legend beside the axes names them (no text at the points, which
+    overlapped) and ``title`` is wrapped to the figure's width (constrained layout)."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    plans = [p for p in points if p.kind == "plan" and p.peak_bytes is not None]
+    ax.plot([p.peak_bytes / 2**20 for p in plans], [p.flops_ratio for p in plans], "o-",
+            color="C0", label="remat plans (budgets)", zorder=3)
+    colors: dict[str, str] = {}
+    for p in points:
+        if p.kind != "fixed" or p.peak_bytes is None:
+            continue
+        name, _, stages = p.label.partition(" (")
+        first = name not in colors
+        color = colors.setdefault(name, f"C{len(colors) + 1}")
+        whole = stages.startswith("whole")
+        ax.scatter(p.peak_bytes / 2**20, p.flops_ratio, marker=MARKERS.get(name, "o"),
+                   s=80 if whole else 30, facecolors="none" if whole else color,
+                   edgecolors=color, linewidths=1.2, label=name if first else None,
+                   zorder=4 if whole else 5)
+    ax.set_xlabel("traced peak of a training step (MiB)")
+    ax.set_ylabel("step FLOPs x none (recompute cost)")
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+              title="fixed strategies:\nfilled: model.stages\nhollow: whole network",
+              title_fontsize=7, alignment="left")
+    return fig
+
+
+def micro_batches(cfg: DictConfig, memory: Any, effective: int,
+                  planner: Planner | None = None) -> list[dict[str, Any]]:
+    """Plan every micro-batch dividing ``effective / world_size`` (the samples one rank
+    sees per optimizer step); modelled samples/s of each. ``planner``: one already made
+    for this config, used for the micro-batch of its own batch size and accumulation
+    (its profile is not traced again).
+
+    Each row has ``micro_batch``, ``accumulate_grad_batches`` and ``fits``; a row that fits
+    also ``peak_bytes`` (predicted allocator peak), ``overhead`` (modelled step time x
+    none), ``samples_per_s`` (modelled), ``seconds`` (planning time), ``summary`` and
+    ``plan`` (:meth:`Plan.to_dict`, what ``plan.json`` holds); one that does not, ``note``
+    (first line) and ``error`` (the planner's whole message). The fastest row that fits has
+    ``fastest: True``.
+
+    Raises:
+        ValueError: ``world_size`` does not divide ``effective_batch_size`` (names both).
+    """
+    rows = []
+    build, _, size, precision, _ = run_shape_of(cfg)
+    sharding = run_shape.sharding_of(cfg)
+    if effective % sharding.world_size:
+        raise PlanInputError(f"effective_batch_size={effective} is not a multiple of world_size="
+                         f"{sharding.world_size}: every rank trains the same number of "
+                         "samples per optimizer step (micro-batch x accumulate_grad_batches x "
+                         "world_size); pick an effective_batch_size divisible by world_size")
+    per_rank = effective // sharding.world_size
+    for micro in [d for d in range(1, per_rank + 1) if per_rank % d == 0]:
+        accumulate = per_rank // micro
+        row: dict[str, Any] = {"micro_batch": micro, "accumulate_grad_batches": accumulate}
+        try:
+            if planner is not None and (planner.batch_size, planner.accumulate) == (
+                    micro, accumulate):
+                micro_planner = planner
+            else:
+                micro_planner = planner_for(cfg, build, micro, size, precision, accumulate)
+            planned = micro_planner.plan(memory)
+        except InfeasibleBudget as err:
+            row.update(fits=False, note=str(err).splitlines()[0], error=str(err))
+            rows.append(row)
+            continue
+        plan = planned.plan
+        step_s = micro_planner.profile.step_time * plan.predicted_overhead * accumulate
+        row.update(fits=True, peak_bytes=plan.predicted_allocator_peak_bytes,
+                   overhead=plan.predicted_overhead, samples_per_s=effective / step_s,
+                   seconds=planned.seconds + micro_planner.setup_seconds,
+                   summary=plan.summary(), plan=plan.to_dict())
+        rows.append(row)
+    fitting = [r for r in rows if r.get("fits")]
+    if fitting:
+        max(fitting, key=lambda r: r["samples_per_s"])["fastest"] = True
+    return rows

@@ -30,6 +30,8 @@ def test_option_composes_and_instantiates(tmp_path, kvasir_root, group, option):
         overrides.append(f"data.root={kvasir_root}")
     if option == "timm_native":  # needs a timm model: the tu- ConvNeXt U-Net
         overrides += ["model=unet_convnext", "model.stages=[encoder.model]"]
+    if option == "custom":  # a user's network, by _target_ (tests/models/nets.py)
+        overrides.append("model.net._target_=tests.models.nets.TinyUNet")
     if option == "plan":  # replays a plan file: one that recomputes the first encoder layer
         from remat.planner import Plan, UnitPlan
 

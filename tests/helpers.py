@@ -78,18 +78,26 @@ class SignalAtStep(L.Callback):
     """Test helper: the process sends ``signal`` to itself when the batch that makes
     optimizer step ``step + 1`` starts (a signal arriving mid-step, as ``kill`` sends it)."""
 
-    def __init__(self, step: int, signal: str = "SIGTERM", rank: int | None = None) -> None:
+    def __init__(self, step: int, signal: str = "SIGTERM", rank: int | None = None,
+                 once_file: str | None = None) -> None:
         self.step = step
         self.signal = getattr(signal_module, signal)
         self.sent = False
         self.rank = rank  # only this global rank signals itself (None: every rank)
+        # with once_file, the signal is sent once over all processes (a resume that
+        # inherits this callback from the run's overrides does not stop again)
+        self.once_file = Path(once_file) if once_file else None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
                              batch: object, batch_idx: int) -> None:
         if self.rank is not None and trainer.global_rank != self.rank:
             return
+        if self.once_file is not None and self.once_file.exists():
+            return
         if not self.sent and trainer.global_step == self.step:
             self.sent = True
+            if self.once_file is not None:
+                self.once_file.write_text("sent")
             os.kill(os.getpid(), self.signal)
 
 

@@ -44,9 +44,12 @@ def train_proc(run_dir: Path, overrides: list[str]) -> subprocess.CompletedProce
                           capture_output=True, text=True, timeout=600)
 
 
-def kill_at(step: int, name: str = "SIGTERM") -> list[str]:
+def kill_at(step: int, name: str = "SIGTERM", once: Path | None = None) -> list[str]:
+    """The callback that stops the run at ``step``; with ``once`` (a file it creates), only
+    the first time, so a resume that inherits it from the run's overrides trains on."""
     return ["+callbacks.kill._target_=tests.helpers.SignalAtStep", f"+callbacks.kill.step={step}",
-            f"+callbacks.kill.signal={name}"]
+            f"+callbacks.kill.signal={name}"] + (
+        [f"+callbacks.kill.once_file={once}"] if once else [])
 
 
 def summary(run_dir: Path) -> dict:
@@ -85,7 +88,8 @@ def assert_same_run(reference: Path, resumed: Path, steps: int) -> None:
 def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, shakespeare_root,
                                                             gpt_reference, step):
     run_dir = tmp_path / "run"
-    killed = train_proc(run_dir, [*gpt(shakespeare_root), *kill_at(step)])
+    killed = train_proc(run_dir, [*gpt(shakespeare_root),
+                                  *kill_at(step, once=tmp_path / "killed")])
     assert killed.returncode == 128 + signal.SIGTERM, killed.stderr[-3000:]
     stopped = summary(run_dir)
     assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGTERM"
@@ -106,11 +110,11 @@ def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, shakespear
 
 def test_a_max_steps_stop_inside_an_epoch_resumes_that_epoch(tmp_path, shakespeare_root):
     """A run stopped by ``trainer.max_steps`` inside its first epoch (step 4 of 6), then
-    resumed without the limit, trains the rest of that epoch and the next: the uninterrupted
-    run's losses and weights. Written at train end instead, the checkpoint counted the epoch
-    as finished, and the resumed run trained 8 steps in all, not 12. (No LR schedule here:
-    warm-up + cosine runs over ``max_steps``, so a first run with another limit has other
-    learning rates.) In process: no signal is involved."""
+    resumed with the limit lifted (``trainer.max_steps=-1``), trains the rest of that epoch
+    and the next: the uninterrupted run's losses and weights. Written at train end instead,
+    the checkpoint counted the epoch as finished, and the resumed run trained 8 steps in
+    all, not 12. (No LR schedule here: warm-up + cosine runs over ``max_steps``, so a first
+    run with another limit has other learning rates.) In process: no signal is involved."""
     from remat.train import train
     from tests.helpers import compose_train
 
@@ -120,7 +124,8 @@ def test_a_max_steps_stop_inside_an_epoch_resumes_that_epoch(tmp_path, shakespea
     first = train(compose_train(run_dir, [*overrides, "trainer.max_steps=4"]))
     assert first["global_step"] == 4 == ckpt(run_dir)["global_step"]
     assert ckpt(run_dir)["epoch"] == 0  # the epoch is still open in the checkpoint
-    train(compose_train(run_dir, [*overrides,
+    # the resume keeps the run's own config, limit included, unless the command line lifts it
+    train(compose_train(run_dir, [*overrides, "trainer.max_steps=-1",
                                   f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]))
     assert_same_run(tmp_path / "reference", run_dir, steps=12)
 
@@ -140,7 +145,7 @@ def test_sigint_then_resume_of_a_shuffled_loader_is_exact(tmp_path, unet_referen
     steps per epoch (the epoch-end case checks it is stepped once)."""
     run_dir = tmp_path / "run"
     reference = unet_reference
-    killed = train_proc(run_dir, [*UNET, *kill_at(step, "SIGINT")])
+    killed = train_proc(run_dir, [*UNET, *kill_at(step, "SIGINT", tmp_path / "killed")])
     assert killed.returncode == 128 + signal.SIGINT, killed.stderr[-3000:]
     assert summary(run_dir)["status"] == "interrupted"
     assert summary(run_dir)["signal"] == "SIGINT"

@@ -296,18 +296,23 @@ def test_sigterm_before_the_trainer_starts_writes_an_interrupted_summary(tmp_pat
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
 
 
-def test_a_resume_that_fails_before_training_keeps_the_runs_summary(tmp_path):
+def test_a_resume_that_fails_before_training_keeps_the_runs_files(tmp_path):
     """A resume into a finished run's folder that fails at its config (a bad precision)
-    notes the attempt under ``last_attempt`` and keeps the run's summary (status, steps,
-    peaks); a later resume with the right config still finds the folder's run."""
+    leaves the run's files as they were and writes its record into its attempt folder; a
+    later resume with the right config still finds the folder's run."""
     done = train(compose_train(tmp_path, TINY))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
     with pytest.raises(ValueError, match="precision"):
         train(compose_train(tmp_path, [*TINY, "precision=bogus", "ckpt_path=last"]))
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"
+             and "resumes" not in p.relative_to(tmp_path).parts}
+    assert after == before
     kept = _summary(tmp_path)
     assert kept["status"] == "completed" and kept["global_step"] == done["global_step"] == 2
-    assert kept["peak_memory_bytes"] == done["peak_memory_bytes"]
-    assert kept["last_attempt"]["status"] == "failed"
-    assert "precision" in kept["last_attempt"]["error"]
+    (attempt,) = (tmp_path / "resumes").iterdir()
+    record = json.loads((attempt / "summary.json").read_text())
+    assert record["status"] == "failed" and "precision" in record["error"]
+    assert not (attempt / "overrides.yaml").exists()  # it never trained: not a resume to follow
 
 
 @pytest.mark.parametrize(("after", "steps"), [(2, 4 + 8), (8, 4 + 2)])

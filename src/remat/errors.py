@@ -1,0 +1,89 @@
+"""How the entry points end on a user's mistake: one line, not a traceback.
+
+A bad config value, a missing or malformed file, a model that does not fit the data: the
+library raises an error whose message names the key or file and the fix. An entry point
+run from the command line prints that message as ``error: <message>`` and exits with 1,
+before Lightning starts and without a traceback (``HYDRA_FULL_ERROR=1`` shows it). Errors
+raised while Lightning trains or evaluates (marked by :func:`mark_in_loop`) and errors of
+remat's own code (``AttributeError``, ``AssertionError``, ...) keep their traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+#: the kinds of error whose message is the whole story for a user
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, FileNotFoundError, NotADirectoryError, KeyError, ImportError,
+    OmegaConfBaseException)
+_IN_LOOP = "_remat_in_loop"
+
+
+@contextmanager
+def mark_in_loop() -> Iterator[None]:
+    """Errors raised inside (Lightning's fit/validate/test/predict loops) keep their
+    traceback: they happened while the run was running, not while it was set up."""
+    try:
+        yield
+    except BaseException as err:
+        try:
+            setattr(err, _IN_LOOP, True)
+        except AttributeError:  # pragma: no cover - exceptions without a __dict__
+            pass
+        raise
+
+
+def user_error(err: BaseException) -> BaseException | None:
+    """The error to show a user for ``err`` raised while setting a run up: ``err`` itself,
+    or, for Hydra's ``InstantiationException``, the error it wraps when that is a user
+    error (its message names the key), or Hydra's own message for a wrong call or import
+    (it names the ``_target_`` and the config key); None for errors that keep their
+    traceback (remat's or a user's code failing inside a constructor)."""
+    if getattr(err, _IN_LOOP, False):
+        return None
+    from hydra.errors import InstantiationException
+
+    if isinstance(err, InstantiationException):
+        cause = err.__cause__
+        if cause is None or isinstance(cause, TypeError | ImportError):
+            return err  # Hydra's message names the _target_, the call and the config key
+        return user_error(cause)
+    if isinstance(err, USER_ERRORS):
+        return err
+    from remat.callbacks.run_dir import RunDirInUse
+
+    return err if isinstance(err, RunDirInUse) else None
+
+
+def message_of(err: BaseException) -> str:
+    """The text of ``err`` (a ``KeyError``'s message without the quotes ``repr`` adds)."""
+    if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
+        return err.args[0]
+    return str(err) or type(err).__name__
+
+
+def run_entry(fn: Callable[[Any], T], cfg: Any, single_run: bool = True) -> T:
+    """Call ``fn(cfg)`` (an entry point's work); a user error raised while setting up ends
+    the process with ``error: <message>`` on stderr and exit code 1 (see the module
+    docstring). ``single_run=False`` (a job of a multirun) lets every error propagate, so
+    Hydra records that job's failure and the sweep goes on.
+
+    Raises:
+        SystemExit: code 1 after printing a user error's message.
+    """
+    try:
+        return fn(cfg)
+    except Exception as err:
+        shown = user_error(err)
+        if shown is None or not single_run or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {message_of(shown)}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -24,12 +24,12 @@ What is scored, and how:
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import logging
 import math
 import re
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -40,11 +40,12 @@ import hydra
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from remat import run_shape
 from remat.config import config_dir
 from remat.data.sizes import same_size
+from remat.errors import mark_in_loop, run_entry
 from remat.models import SegmentationModule
 from remat.models.checks import (
     check_checkpoint_fits,
@@ -54,10 +55,11 @@ from remat.models.checks import (
     sharded_weights,
 )
 from remat.models.metrics import SegmentationMetrics
+from remat.run_config import apply_run_config, run_config_path, run_group_args
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("val", "test")
+SPLITS = ("val", "test", "all")
 # Top-level keys an evaluation takes from the run's config.yaml.
 RUN_KEYS = ("data", "model", "precision", "seed", "task_name", "reference", "group_by",
             "monitor", "monitor_mode")
@@ -68,86 +70,11 @@ SIZE_KEYS = ("data.image_size", "data.patch_size", "model.inference.patch_size")
 # ----------------------------------------------------------------------------- config
 
 
-def find_run_config(ckpt_path: str | Path) -> Path | None:
-    """``<run dir>/config.yaml`` for a checkpoint in ``<run dir>/checkpoints/``, if present."""
-    path = Path(ckpt_path).expanduser().absolute()
-    if path.parent.name != "checkpoints":
-        return None
-    candidate = path.parent.parent / "config.yaml"
-    return candidate if candidate.is_file() else None
-
-
-def _run_config_path(cfg: DictConfig) -> Path | None:
-    """The run config to start from: ``run_config`` (``auto``: beside ``checkpoints/``; a
-    path; or null: none)."""
-    setting = cfg.get("run_config", "auto")
-    if setting is None or setting is False:
-        return None
-    if str(setting) == "auto":
-        return find_run_config(cfg.ckpt_path)
-    path = Path(str(setting)).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"run_config={setting}: no such file (expected the config.yaml "
-                                "a training run writes; auto finds it beside checkpoints/)")
-    return path
-
-
-def _command_line() -> tuple[list[Any], dict[str, Any]]:
-    """The parsed command-line overrides and the config groups' choices (``{group: option}``)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        hydra_cfg = HydraConfig.get()
-    except ValueError:  # evaluate() called without Hydra
-        return [], {}
-    overrides = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
-    return overrides, dict(hydra_cfg.runtime.choices)
-
-
-def _delete(cfg: DictConfig, key: str) -> None:
-    parent_key, _, leaf = key.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-    if isinstance(parent, DictConfig) and leaf in parent:
-        del parent[leaf]
-
-
 def eval_config(cfg: DictConfig, run: DictConfig | None, run_path: Path | None = None
                 ) -> DictConfig:
-    """The config to evaluate with: ``cfg`` (``configs/eval.yaml`` composed with the command
-    line) with the :data:`RUN_KEYS` of the run's config ``run`` (its ``config.yaml``, read
-    from ``run_path``), and the command line's key overrides of those keys applied again on
-    top; ``cfg`` itself when ``run`` is None.
-
-    Group overrides ``data=<name>`` / ``model=<name>`` keep the composed node instead of the
-    run's. ``experiment=<name>`` does not replace the run's config (it is what the run was
-    composed from); a different ``task_name`` than the run's warns.
-    """
-    if run is None:
-        return cfg
-    overrides, groups = _command_line()
-    chosen = {o.key_or_group for o in overrides if o.key_or_group in groups}
-    merged = copy.deepcopy(cfg)
-    with open_dict(merged):
-        for key in RUN_KEYS:
-            if key not in chosen and key in run:
-                merged[key] = run[key]
-        for override in overrides:
-            key = override.key_or_group
-            top = key.split(".")[0]
-            if key in groups or top not in RUN_KEYS or top in chosen:
-                continue  # a group, or a key the composed config already holds as given
-            if override.is_delete():
-                _delete(merged, key)
-            else:
-                OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
-    if "experiment" in chosen and cfg.get("task_name") != run.get("task_name"):
-        warnings.warn(
-            f"experiment={groups['experiment']} (task {cfg.get('task_name')}) is not what the "
-            f"checkpoint's run trained (task {run.get('task_name')}, {run_path}); scoring with "
-            "the run's config. Pass run_config=null to score with the experiment instead",
-            UserWarning, stacklevel=2)
-    return merged
+    """The config to evaluate with: the :data:`RUN_KEYS` of the run's ``config.yaml`` under
+    the command line's overrides (:func:`remat.run_config.apply_run_config`)."""
+    return apply_run_config(cfg, run, run_path, RUN_KEYS)
 
 
 def _plain(value: Any) -> Any:
@@ -397,7 +324,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not ckpt_path:
         raise ValueError("ckpt_path is not set: pass ckpt_path=<run dir>/checkpoints/last.ckpt")
     ckpt = read_checkpoint(ckpt_path)
-    run_path = _run_config_path(cfg)
+    run_path = run_config_path(cfg)
     run = OmegaConf.load(run_path) if run_path is not None else None
     cfg = eval_config(cfg, run, run_path)
     shape = eval_shape(cfg)
@@ -423,7 +350,12 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     model.load_state_dict(ckpt["state_dict"])  # read once, weights_only, fit checked above
     datamodule = instantiate(cfg.data)
     check_model_fits_data(model, datamodule)
-    datamodule.setup("validate" if split == "val" else "test")
+    if split == "all":
+        if not hasattr(datamodule, "eval_all"):
+            raise ValueError(f"split=all scores every labelled image of a file dataset; "
+                             f"data._target_={cfg.data.get('_target_')} has no files")
+        datamodule.eval_all = True
+    datamodule.setup("test" if split == "test" else "validate")
     if split == "test" and getattr(datamodule, "test_set", None) is None:
         raise ValueError(
             f"split=test: data._target_={cfg.data.get('_target_')} has no labelled test split "
@@ -433,14 +365,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     writer = PerImageMetrics(out / "per_image.csv", cfg.get("group_by"))
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[writer], logger=False,
                                      enable_checkpointing=False)
-    loop = trainer.validate if split == "val" else trainer.test
+    loop = trainer.test if split == "test" else trainer.validate
     start = time.perf_counter()
-    logged = loop(model, datamodule=datamodule, verbose=False)
+    with mark_in_loop():
+        logged = loop(model, datamodule=datamodule, verbose=False)
     wall_s = time.perf_counter() - start
     if not writer.rows:
         raise ValueError(f"the {split} split of data._target_={cfg.data.get('_target_')} "
                          "holds no images")
-    prefix = f"{split}/"
+    prefix = "test/" if split == "test" else "val/"
     overall = {k[len(prefix):]: _finite(v) for k, v in logged[0].items() if k.startswith(prefix)}
     reference = cfg.get("reference")
     references = [] if reference is None else OmegaConf.to_container(reference, resolve=True)
@@ -455,14 +388,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "groups": {g: {prefix + k: _finite(v) for k, v in m.compute().items()}
                    for g, m in sorted(writer.groups.items())},
         "sizes": shape["sizes"],
+        "resolution": resolution_of(datamodule),
         "precision": shape["precision"],
         "wall_s": wall_s,
         "device": str(trainer.strategy.root_device),
         "torch_version": torch.__version__,
     }
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
-    _print_table(f"{cfg.get('task_name')}: {split} split, {len(writer.rows)} images",
-                 result["reference"], overall)
+    _print_table(f"{cfg.get('task_name')}: {split} split, {len(writer.rows)} images, scored "
+                 f"at {result['resolution']}", result["reference"], overall)
     for group, values in result["groups"].items():
         log.info("group %s: %s", group, ", ".join(
             f"{k}={v:.4f}" for k, v in values.items() if v is not None))
@@ -470,10 +404,30 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="eval")
-def main(cfg: DictConfig) -> None:
-    """Hydra app around :func:`evaluate`."""
-    evaluate(cfg)
+def resolution_of(datamodule: Any) -> str:
+    """``"native resolution"`` where the evaluation images are served whole at their own
+    size, else ``"<h>x<w> px (resized)"`` (datamodules that resize, as Kvasir-SEG's)."""
+    size = getattr(datamodule, "image_size", None)
+    if getattr(datamodule, "resizes_for_eval", False) and size is not None:
+        height, width = size if isinstance(size, tuple | list) else (size, size)
+        return f"{height}x{width} px (resized)"
+    return "native resolution"
+
+
+def _app(cfg: DictConfig) -> None:
+    run_entry(evaluate, cfg)
+
+
+_hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()),
+                         config_name="eval")(_app)
+
+
+def main() -> None:
+    """``python -m remat.eval`` / ``remat-eval``: :func:`evaluate` with the run's own data
+    and model composed first (:func:`remat.run_config.run_group_args`); a user error ends
+    with ``error: <message>`` and exit code 1 (:func:`remat.errors.run_entry`)."""
+    sys.argv[1:] = run_group_args(sys.argv[1:])
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -21,10 +21,12 @@ overrides apply.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import secrets
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -260,3 +262,101 @@ def group_choices(run_dir: Path) -> dict[str, str]:
     choices = OmegaConf.select(OmegaConf.load(file), "hydra.runtime.choices") or {}
     return {str(k): str(v) for k, v in choices.items()
             if v is not None and not str(k).startswith("hydra")}
+
+
+def find_run_config(ckpt_path: str | Path) -> Path | None:
+    """``<run dir>/config.yaml`` for a checkpoint in ``<run dir>/checkpoints/``, if present."""
+    run = find_run_dir(ckpt_path)
+    return run / "config.yaml" if run is not None else None
+
+
+def run_group_args(args: list[str]) -> list[str]:
+    """The command line with the run's own ``data`` and ``model`` choices in front (those
+    the command line does not choose), so that key overrides of the run's data and model
+    (``data.root=...``, ``data.split_file=...``) compose without ``+``. A choice equal to
+    the run's own is not a replacement (:func:`apply_run_config`)."""
+    run = find_run_dir(next((a.partition("=")[2].strip("'\"") for a in reversed(args)
+                             if a.startswith("ckpt_path=")), None))
+    if run is None or any(a.startswith("run_config=") for a in args):
+        return list(args)
+    given = set(override_keys([a for a in args if not a.startswith("-")]))
+    choices = group_choices(run)
+    extra = [f"{group}={choices[group]}" for group in ("data", "model")
+             if group in choices and group not in given]
+    return [*extra, *args]
+
+
+def run_config_path(cfg: DictConfig) -> Path | None:
+    """The run config to start from: ``run_config`` (``auto``: beside ``checkpoints/``; a
+    path; or null: none)."""
+    setting = cfg.get("run_config", "auto")
+    if setting is None or setting is False:
+        return None
+    if str(setting) == "auto":
+        return find_run_config(cfg.ckpt_path)
+    path = Path(str(setting)).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"run_config={setting}: no such file (expected the config.yaml "
+                                "a training run writes; auto finds it beside checkpoints/)")
+    return path
+
+
+def _command_line() -> tuple[list[Any], dict[str, Any]]:
+    """The parsed command-line overrides and the config groups' choices (``{group: option}``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # evaluate() called without Hydra
+        return [], {}
+    overrides = OverridesParser.create().parse_overrides(list(hydra_cfg.overrides.task))
+    return overrides, dict(hydra_cfg.runtime.choices)
+
+
+def _delete(cfg: DictConfig, key: str) -> None:
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if isinstance(parent, DictConfig) and leaf in parent:
+        del parent[leaf]
+
+
+def apply_run_config(cfg: DictConfig, run: DictConfig | None, run_path: Path | None,
+                     keys: Sequence[str]) -> DictConfig:
+    """The config to score or predict with: ``cfg`` (the entry's config composed with the
+    command line) with the top-level ``keys`` of the run's config ``run`` (its
+    ``config.yaml``, read from ``run_path``), and the command line's key overrides of those
+    keys applied again on top; ``cfg`` itself when ``run`` is None.
+
+    Group overrides ``data=<name>`` / ``model=<name>`` keep the composed node instead of the
+    run's. ``experiment=<name>`` does not replace the run's config (it is what the run was
+    composed from); a different ``task_name`` than the run's warns.
+    """
+    if run is None:
+        return cfg
+    overrides, groups = _command_line()
+    run_choices = group_choices(run_path.parent) if run_path is not None else {}
+    # a group chosen as the run chose it is the run's node (with key overrides on top)
+    chosen = {o.key_or_group for o in overrides if o.key_or_group in groups
+              and groups[o.key_or_group] != run_choices.get(o.key_or_group)}
+    merged = copy.deepcopy(cfg)
+    with open_dict(merged):
+        for key in keys:
+            if key not in chosen and key in run:
+                merged[key] = run[key]
+        for override in overrides:
+            key = override.key_or_group
+            top = key.split(".")[0]
+            if key in groups or top not in keys or top in chosen:
+                continue  # a group, or a key the composed config already holds as given
+            if override.is_delete():
+                _delete(merged, key)
+            else:
+                OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
+    if "experiment" in chosen and cfg.get("task_name") != run.get("task_name"):
+        warnings.warn(
+            f"experiment={groups['experiment']} (task {cfg.get('task_name')}) is not what the "
+            f"checkpoint's run trained (task {run.get('task_name')}, {run_path}); scoring with "
+            "the run's config. Pass run_config=null to score with the experiment instead",
+            UserWarning, stacklevel=2)
+    return merged

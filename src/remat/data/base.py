@@ -137,6 +137,8 @@ class FileSegDataModule(SplitDataModule):
     num_classes: ClassVar[int] = 1
     ignore_index: ClassVar[int] = IGNORE_INDEX
     default_image_mode: ClassVar[str] = "rgb"
+    #: evaluation images are resized to ``image_size`` (else served whole, native size)
+    resizes_for_eval: ClassVar[bool] = False
     image_modes: ClassVar[tuple[str, ...]] = IMAGE_MODES
 
     def __init__(self, root: str | Path | None, *, batch_size: int = 4,
@@ -162,6 +164,8 @@ class FileSegDataModule(SplitDataModule):
         self._verified: set[str] = set()
         self._built = False
         self._split_source = ""
+        #: serve every labelled pair as the val split (``remat.eval split=all``)
+        self.eval_all = False
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -240,7 +244,10 @@ class FileSegDataModule(SplitDataModule):
         self.dataset_root = self.find_root()
         pairs = self.list_pairs(self.dataset_root)
         self.pairs = {p.name: p for p in pairs}
-        if self.split_file is not None:
+        if self.eval_all:
+            splits = {"val": sorted(self.pairs, key=natural_key)}
+            source = f"every pair of {self.title} at {self.dataset_root} (split=all)"
+        elif self.split_file is not None:
             splits = load_split_file(self.split_file, self.pairs)
             source = f"split file {self.split_file}"
         else:

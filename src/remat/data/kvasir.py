@@ -108,6 +108,7 @@ class KvasirSegDataModule(FileSegDataModule):
     required_dirs = ("images", "masks")
     class_names = ("background", "polyp")
     num_classes = 1
+    resizes_for_eval = True
 
     def __init__(self, root: str | Path | None, image_size: int | Sequence[int] = 256,
                  batch_size: int = 4, num_workers: int = 0, val_size: int = 120,

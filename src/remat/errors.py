@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 #: the kinds of error whose message is the whole story for a user
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError, FileNotFoundError, NotADirectoryError, KeyError, ImportError,
+    ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, KeyError, ImportError,
     OmegaConfBaseException)
 _IN_LOOP = "_remat_in_loop"
 

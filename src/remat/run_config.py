@@ -253,15 +253,30 @@ def record_trained_attempt(folder: Path, typed: Sequence[str]) -> None:
 
 
 def group_choices(run_dir: Path) -> dict[str, str]:
-    """``{group: option}`` the run in ``run_dir`` was composed with (Hydra's
-    ``.hydra/hydra.yaml`` ``runtime.choices``; ``hydra/...`` groups left out); ``{}`` when
-    the folder has no Hydra record."""
+    """``{group: option}`` the run in ``run_dir`` was composed with: Hydra's record
+    (``.hydra/hydra.yaml`` ``runtime.choices``; ``hydra/...`` groups left out), or, for a
+    run made by calling ``train(cfg)`` without that record, the first ``data`` and
+    ``model`` options of the config tree that build the run's ``_target_``; ``{}`` when
+    neither is found."""
     file = run_dir / ".hydra" / "hydra.yaml"
-    if not file.is_file():
+    if file.is_file():
+        choices = OmegaConf.select(OmegaConf.load(file), "hydra.runtime.choices") or {}
+        return {str(k): str(v) for k, v in choices.items()
+                if v is not None and not str(k).startswith("hydra")}
+    config = run_dir / "config.yaml"
+    if not config.is_file():
         return {}
-    choices = OmegaConf.select(OmegaConf.load(file), "hydra.runtime.choices") or {}
-    return {str(k): str(v) for k, v in choices.items()
-            if v is not None and not str(k).startswith("hydra")}
+    from remat.config import config_dir
+
+    run = OmegaConf.load(config)
+    found: dict[str, str] = {}
+    for group in ("data", "model"):
+        target = OmegaConf.select(run, f"{group}._target_")
+        for option in sorted((config_dir() / group).glob("*.yaml")):
+            if target and OmegaConf.load(option).get("_target_") == target:
+                found[group] = option.stem
+                break
+    return found
 
 
 def find_run_config(ckpt_path: str | Path) -> Path | None:

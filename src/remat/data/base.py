@@ -189,6 +189,15 @@ class FileSegDataModule(SplitDataModule):
         """A picklable ``path -> [C, H, W]`` reader replacing the 8-bit one, or None."""
         return None
 
+    def predict_dataset(self, paths: Sequence[Path], names: Sequence[str]) -> Dataset:
+        """Images without masks, read and normalised as this dataset's evaluation images are
+        (whole, at their own size), for ``remat.predict``: items ``{"image": float32
+        [C, H, W], "name": str, "path": str}``."""
+        from remat.data.folder import EightBitImages, Normalize, PredictImages
+
+        reader = self.image_reader() or EightBitImages(self.image_mode)
+        return PredictImages(paths, names, reader, Normalize("imagenet"))
+
     # ------------------------------------------------------------------ shared
 
     @property

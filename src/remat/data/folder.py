@@ -84,6 +84,23 @@ class FolderImages:
         return read_any_image(path, self.image_mode)
 
 
+class EightBitImages:
+    """Picklable reader of the shipped datasets' 8-bit images
+    (:func:`remat.data.io.read_image` in ``image_mode``; ``grey_rgb`` repeated to 3)."""
+
+    def __init__(self, image_mode: str) -> None:
+        self.image_mode = image_mode
+
+    def __call__(self, path: Path) -> torch.Tensor:
+        from torchvision.io import ImageReadMode
+
+        from remat.data.io import read_image
+
+        mode = ImageReadMode.RGB if self.image_mode == "rgb" else ImageReadMode.GRAY
+        image = read_image(path, mode)
+        return image.expand(3, -1, -1) if self.image_mode == "grey_rgb" else image
+
+
 class Normalize:
     """Scale and normalise a decoded image ``[C, H, W]`` (uint8, uint16 or float32) into the
     float32 the network reads.
@@ -243,21 +260,29 @@ class PredictImages(torch.utils.data.Dataset):
         reader: ``path -> [C, H, W]`` (the datamodule's image reader).
         normalize: a :class:`Normalize`.
 
-    Items: ``{"image": float32 [C, H, W], "name": str, "path": str}``.
+        resize: ``(h, w)`` px to resize every image to (datasets that train and evaluate on
+            resized images, as Kvasir-SEG), or None for the native size.
+
+    Items: ``{"image": float32 [C, h, w], "name": str, "path": str, "size": int64 [2]}``
+    (``size``: the native ``(H, W)``, to which predictions are resized back).
     """
 
     def __init__(self, paths: Sequence[Path], names: Sequence[str], reader: Any,
-                 normalize: Normalize) -> None:
+                 normalize: Normalize, resize: tuple[int, int] | None = None) -> None:
         self.paths, self.names = list(paths), list(names)
-        self.reader, self.normalize = reader, normalize
+        self.reader, self.normalize, self.resize = reader, normalize, resize
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         raw = self.reader(self.paths[index])
+        size = torch.tensor(raw.shape[-2:], dtype=torch.int64)
+        if self.resize is not None and tuple(raw.shape[-2:]) != tuple(self.resize):
+            raw = v2.functional.resize(raw, list(self.resize), antialias=True)  # as eval does
         image = self.normalize(Normalize.scale(raw), raw.dtype)
-        return {"image": image, "name": self.names[index], "path": str(self.paths[index])}
+        return {"image": image, "name": self.names[index], "path": str(self.paths[index]),
+                "size": size}
 
 
 # ----------------------------------------------------------------------------- listing
@@ -595,6 +620,24 @@ class FolderSegDataModule(PatchSegDataModule):
     def predict_dataset(self, paths: Sequence[Path], names: Sequence[str]) -> PredictImages:
         """Whole images read and normalised as val images are (for ``remat.predict``)."""
         return PredictImages(paths, names, self.image_reader(), self.normalizer)
+
+    def mask_palette(self) -> list[tuple[int, int, int]] | None:
+        """The palette of the first mask file (``mask_encoding=palette``), one colour per
+        class, so predicted masks show as the user's own do; None without one."""
+        if self.mask_encoding != "palette":
+            return None
+        from PIL import Image
+
+        try:
+            pairs = list(self.pairs.values()) or self.list_pairs(self.find_root())
+            with Image.open(pairs[0].mask) as img:
+                flat = img.getpalette() if img.mode == "P" else None
+        except (OSError, ValueError, IndexError):
+            return None
+        if not flat:
+            return None
+        k = max(2, self.num_classes)
+        return [tuple(flat[3 * i:3 * i + 3]) for i in range(k)]
 
     def describe(self) -> str:
         """One line: folder, encoding, classes (for logs)."""

@@ -150,6 +150,14 @@ class KvasirSegDataModule(FileSegDataModule):
         """Polyp (grey >= 128) -> 1, else 0."""
         return kvasir_mask
 
+    def predict_dataset(self, paths: Sequence[Path], names: Sequence[str]) -> Dataset:
+        """Images resized to ``image_size`` as evaluation images are (predictions go back to
+        each image's native size); see :meth:`FileSegDataModule.predict_dataset`."""
+        from remat.data.folder import EightBitImages, Normalize, PredictImages
+
+        return PredictImages(paths, names, EightBitImages(self.image_mode),
+                             Normalize("imagenet"), resize=self.image_size)
+
     def build_dataset(self, pairs: list[ImageMaskPair], train: bool) -> KvasirSegDataset:
         """Augmented resized crops (``train`` and ``augment``), else plain resizes."""
         grey = self.image_mode == "grey"

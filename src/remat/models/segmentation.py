@@ -278,6 +278,27 @@ class SegmentationModule(StrategyModule):
     def on_test_epoch_end(self) -> None:
         self._log_metrics("test")
 
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        """Whole-image prediction of a ``{"image": [B, C, h, w], "name", "path"}`` batch
+        (``"size"``: int64 ``[B, 2]``, each image's native ``(H, W)``, when the data served
+        it resized): logits
+        by :meth:`infer`, resized back to the native size (bilinear) where they differ.
+
+        Returns:
+            ``{"labels": int64 [B, H, W], "probabilities": float32 [B, K, H, W] (K = 1 for
+            binary: the foreground probability), "name": [...], "path": [...]}``.
+        """
+        logits = self.infer(batch["image"]).float()
+        size = batch.get("size")
+        if size is not None:
+            native = tuple(int(v) for v in size[0])  # int64 [B, 2]: (H, W) per image
+            if tuple(logits.shape[-2:]) != native:
+                logits = torch.nn.functional.interpolate(logits, size=native, mode="bilinear",
+                                                         align_corners=False)
+        probabilities = logits.sigmoid() if self.binary else logits.softmax(dim=1)
+        return {"labels": self.predict_labels(logits), "probabilities": probabilities,
+                "name": batch.get("name"), "path": batch.get("path")}
+
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(params=self.parameters())
         if self.scheduler_factory is None:

@@ -1,0 +1,113 @@
+"""Predict masks: ``python -m remat.predict ckpt_path=<run>/checkpoints/last.ckpt
+input=<folder|file> output=<folder>`` (or ``remat-predict``).
+
+``predict(cfg)`` is a plain function (the tests call it with a composed config); ``main``
+is the thin Hydra wrapper. The run's own ``config.yaml`` gives the data (how images are read
+and normalised), the model and the precision (:func:`remat.run_config.apply_run_config`);
+Lightning's ``Trainer.predict`` runs the model's ``predict_step`` (whole images at their own
+size) and :class:`remat.prediction.MaskWriter` writes the masks.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+
+from remat.config import config_dir
+from remat.errors import mark_in_loop, run_entry
+from remat.models import SegmentationModule
+from remat.models.checks import (
+    check_checkpoint_fits,
+    is_sharded_checkpoint,
+    read_checkpoint,
+    sharded_weights,
+)
+from remat.prediction import MaskWriter, check_output, list_inputs, mask_format
+from remat.run_config import apply_run_config, run_config_path, run_group_args
+
+log = logging.getLogger(__name__)
+
+# Top-level keys a prediction takes from the run's config.yaml.
+RUN_KEYS = ("data", "model", "precision", "seed", "task_name")
+
+
+def predict(cfg: DictConfig) -> dict[str, Any]:
+    """Write the masks of ``cfg.input`` predicted by ``cfg.ckpt_path`` into ``cfg.output``;
+    return ``{"output", "count", "format", "rows"}`` (``rows``: ``predictions.csv``).
+
+    Raises:
+        ValueError: no ``ckpt_path``; a bad or unfitting checkpoint; a model that is not a
+            segmentation model; a bad ``format``.
+        FileNotFoundError: a missing checkpoint, ``run_config`` or ``input``, or an input
+            folder without images.
+        FileExistsError: ``output`` already holds files and ``overwrite`` is false.
+    """
+    ckpt_path = cfg.get("ckpt_path")
+    if not ckpt_path:
+        raise ValueError("ckpt_path is not set: pass ckpt_path=<run dir>/checkpoints/last.ckpt")
+    ckpt = read_checkpoint(ckpt_path)
+    run_path = run_config_path(cfg)
+    run = OmegaConf.load(run_path) if run_path is not None else None
+    cfg = apply_run_config(cfg, run, run_path, RUN_KEYS)
+    output = Path(str(cfg.output)).expanduser()
+    check_output(output, bool(cfg.get("overwrite", False)))
+    paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")))
+    model = instantiate(cfg.model)
+    if not isinstance(model, SegmentationModule):
+        raise ValueError(f"remat.predict writes segmentation masks; model._target_ built "
+                         f"{type(model).__name__}")
+    check_checkpoint_fits(model, ckpt, ckpt_path)
+    if is_sharded_checkpoint(ckpt_path):
+        ckpt["state_dict"] = sharded_weights(ckpt_path)
+    model.load_state_dict(ckpt["state_dict"])
+    datamodule = instantiate(cfg.data)
+    if not hasattr(datamodule, "predict_dataset"):
+        raise ValueError(f"data._target_={cfg.data.get('_target_')} reads no image files, so it "
+                         "cannot say how new images are read; predict with a checkpoint of a "
+                         "file dataset (data=folder, kvasir_seg, ...) or give data=<one>")
+    kind, colours = mask_format(datamodule, int(model.hparams.num_classes),
+                                str(cfg.get("format", "auto")))
+    loader = DataLoader(datamodule.predict_dataset(paths, names), batch_size=1,
+                        num_workers=int(cfg.data.get("num_workers", 0) or 0))
+    output.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.paths.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    writer = MaskWriter(output, kind, colours, bool(cfg.get("probabilities", False)))
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[writer], logger=False,
+                                     enable_checkpointing=False)
+    with mark_in_loop():
+        trainer.predict(model, dataloaders=loader, return_predictions=False)
+    log.info("%d %s masks written to %s (list: %s)", len(writer.rows), kind, output,
+             output / "predictions.csv")
+    return {"output": str(output), "count": len(writer.rows), "format": kind,
+            "rows": writer.rows}
+
+
+def _app(cfg: DictConfig) -> None:
+    result = run_entry(predict, cfg)
+    print(f"{result['count']} masks ({result['format']}) written to {result['output']}")
+
+
+_hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()),
+                         config_name="predict")(_app)
+
+
+def main() -> None:
+    """``python -m remat.predict`` / ``remat-predict``: :func:`predict` with the run's own
+    data and model composed first (:func:`remat.run_config.run_group_args`); a user error
+    ends with ``error: <message>`` and exit code 1 (:func:`remat.errors.run_entry`)."""
+    sys.argv[1:] = run_group_args(sys.argv[1:])
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Predicted masks written to files: what ``python -m remat.predict`` runs.
+
+Inputs are a folder (every image below it that a glob matches) or one file; each prediction
+is the trained model's whole-image output at the image's own size (sliding windows when
+``model.inference`` is set, see :meth:`remat.models.SegmentationModule.predict_step`).
+:class:`MaskWriter`, a Lightning ``BasePredictionWriter``, writes one mask per image in the
+encoding of the run's data (:func:`mask_format`): binary masks as 0/255 grey PNGs, label maps
+as grey PNGs of class indices, palette masks as palette PNGs, colour masks in their colours;
+optionally the class probabilities as ``.npy``; and a ``predictions.csv`` of what was written.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from PIL import Image
+
+from remat.data.folder import IMAGE_SUFFIXES
+
+FORMATS = ("auto", "index", "binary", "palette", "colors")
+
+
+def list_inputs(source: str | Path, pattern: str = "**/*") -> tuple[list[Path], list[str]]:
+    """The image files to predict and their output names.
+
+    Args:
+        source: a folder, or one image file.
+        pattern: glob below a folder; files with an image suffix (:data:`IMAGE_SUFFIXES`)
+            only. Names are the paths below the folder without the suffix
+            (``site1/case3``); a single file's name is its stem.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist, or the folder holds no image (names
+            the folder, the glob and the suffixes looked for).
+        ValueError: two files give one name (``a.png`` and ``a.jpg``).
+    """
+    path = Path(str(source)).expanduser()
+    if path.is_file():
+        return [path], [path.stem]
+    if not path.is_dir():
+        raise FileNotFoundError(f"input={source}: no such file or folder (give a folder of "
+                                "images or one image file)")
+    files = sorted(p for p in path.glob(pattern) if p.is_file()
+                   and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+    if not files:
+        raise FileNotFoundError(f"input={source}: no image matches {pattern!r} there "
+                                f"(suffixes {', '.join(IMAGE_SUFFIXES)})")
+    names = [str(PurePosixPath(*p.relative_to(path).with_suffix("").parts)) for p in files]
+    seen: dict[str, Path] = {}
+    for name, file in zip(names, files, strict=True):
+        if name in seen:
+            raise ValueError(f"input={source}: {seen[name]} and {file} both give the output "
+                             f"name {name!r}; keep one of them")
+        seen[name] = file
+    return files, names
+
+
+def _default_palette(classes: int) -> list[tuple[int, int, int]]:
+    """Distinct colours for class indices (PASCAL VOC's bit-interleaved colour map)."""
+    colours = []
+    for index in range(max(classes, 2)):
+        r = g = b = 0
+        value = index
+        for shift in range(7, -1, -1):
+            r |= (value & 1) << shift
+            g |= ((value >> 1) & 1) << shift
+            b |= ((value >> 2) & 1) << shift
+            value >>= 3
+        colours.append((r, g, b))
+    return colours
+
+
+def mask_format(datamodule: Any, num_classes: int, setting: str = "auto"
+                ) -> tuple[str, list[tuple[int, int, int]] | None]:
+    """``(kind, colours)`` of the masks to write: ``auto`` follows the run's data
+    (``binary`` for a binary model, then the datamodule's ``mask_encoding``: ``index``,
+    ``palette`` with the palette of its first mask where one is found, or ``colors`` with
+    its colour table); any other ``setting`` as given.
+
+    Raises:
+        ValueError: an unknown ``setting``, ``binary`` for a multi-class model, or
+            ``colors`` without a colour table.
+    """
+    if setting not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {setting!r}")
+    encoding = getattr(datamodule, "mask_encoding", None)
+    kind = setting
+    if setting == "auto":
+        kind = "binary" if num_classes == 1 else (
+            encoding if encoding in ("palette", "colors") else "index")
+    if kind == "binary" and num_classes != 1:
+        raise ValueError(f"format=binary writes 0/255 masks of a binary model; this one has "
+                         f"{num_classes} classes (use index, palette or colors)")
+    if kind == "colors":
+        colours = list(getattr(datamodule, "colours", None) or [])
+        if not colours:
+            raise ValueError("format=colors needs the run's colour table (data.colors); use "
+                             "index or palette")
+        return kind, colours
+    if kind == "palette":
+        palette = getattr(datamodule, "mask_palette", None)
+        found = palette() if callable(palette) else None
+        return kind, found or _default_palette(max(2, num_classes))
+    return kind, None
+
+
+class MaskWriter(BasePredictionWriter):
+    """Write each predicted mask (and, optionally, its probabilities) as a file.
+
+    Args:
+        output: the folder; ``<output>/<name>.png`` per image (sub-folders of names made).
+        kind, colours: from :func:`mask_format`.
+        probabilities: also write ``<output>/probabilities/<name>.npy``, float16
+            ``[K, H, W]`` (binary: ``[1, H, W]``, the foreground probability).
+
+    After the loop, ``<output>/predictions.csv`` lists ``name, image, mask, height, width``
+    and each class's share of the pixels (``fraction_<k>``), and :attr:`rows` holds it.
+    """
+
+    def __init__(self, output: str | Path, kind: str, colours: Sequence[tuple[int, int, int]]
+                 | None = None, probabilities: bool = False) -> None:
+        super().__init__(write_interval="batch")
+        self.output = Path(output)
+        self.kind, self.colours, self.probabilities = kind, colours, probabilities
+        self.rows: list[dict[str, Any]] = []
+
+    def _image(self, labels: np.ndarray) -> Image.Image:
+        if self.kind == "binary":
+            return Image.fromarray((labels > 0).astype(np.uint8) * 255, mode="L")
+        if self.kind == "index":
+            return Image.fromarray(labels.astype(np.uint8), mode="L")
+        assert self.colours is not None
+        if self.kind == "palette":
+            img = Image.fromarray(labels.astype(np.uint8), mode="P")
+            flat = [c for colour in self.colours for c in colour]
+            img.putpalette(flat + [0] * (768 - len(flat)))
+            return img
+        table = np.asarray(self.colours, dtype=np.uint8)
+        return Image.fromarray(table[labels], mode="RGB")
+
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: dict[str, Any],
+                           batch_indices: Any, batch: Any, batch_idx: int,
+                           dataloader_idx: int = 0) -> None:
+        labels = prediction["labels"].cpu().numpy()
+        probs = prediction["probabilities"]
+        for i, name in enumerate(prediction["name"]):
+            target = self.output / f"{name}.png"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._image(labels[i]).save(target)
+            row: dict[str, Any] = {"name": name, "image": prediction["path"][i],
+                                   "mask": str(target), "height": int(labels[i].shape[0]),
+                                   "width": int(labels[i].shape[1])}
+            counts = np.bincount(labels[i].reshape(-1), minlength=max(2, probs.shape[1]))
+            row.update({f"fraction_{k}": round(float(c) / labels[i].size, 6)
+                        for k, c in enumerate(counts)})
+            if self.probabilities:
+                npy = self.output / "probabilities" / f"{name}.npy"
+                npy.parent.mkdir(parents=True, exist_ok=True)
+                np.save(npy, probs[i].cpu().to(torch.float16).numpy())
+                row["probabilities"] = str(npy)
+            self.rows.append(row)
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self.rows:
+            return
+        with (self.output / "predictions.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(self.rows[0]))
+            writer.writeheader()
+            writer.writerows(self.rows)
+
+
+def check_output(output: Path, overwrite: bool) -> None:
+    """Refuse an output folder that already holds files (earlier predictions are not
+    written over) unless ``overwrite``.
+
+    Raises:
+        FileExistsError: names the folder, how many files it holds and the two ways on.
+    """
+    if output.is_file():
+        raise FileExistsError(f"output={output} is a file; give a folder")
+    held = [p for p in output.rglob("*") if p.is_file()] if output.is_dir() else []
+    if held and not overwrite:
+        raise FileExistsError(f"output={output} already holds {len(held)} file(s); give "
+                              "another folder, or overwrite=true to write over them")

@@ -56,9 +56,11 @@ def subprocess_env() -> dict[str, str]:
     return dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path)
 
 
-def run_python(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run ``python <args>`` with this interpreter in ``cwd``; output captured as text."""
-    env = subprocess_env()
+def run_python(args: list[str], cwd: Path, timeout: int = 900,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` with this interpreter in ``cwd`` (``env``: variables added);
+    output captured as text."""
+    env = {**subprocess_env(), **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

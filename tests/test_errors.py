@@ -1,0 +1,62 @@
+"""User mistakes end an entry point with one line, ``error: <what, and the fix>``, exit code
+1, before Lightning starts; HYDRA_FULL_ERROR=1 shows the traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from remat.errors import run_entry
+from remat.train import train
+from tests.data.test_folder import write_folder
+from tests.helpers import REPO, TINY, TINY_TRAINER, compose_train, run_python
+
+
+def one_line_error(capsys, cfg) -> str:
+    with pytest.raises(SystemExit) as stop:
+        run_entry(train, cfg)
+    assert stop.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "Traceback" not in err
+    return err
+
+
+def test_a_folder_that_does_not_hold_the_layout(tmp_path, capsys):
+    (tmp_path / "pictures").mkdir()
+    err = one_line_error(capsys, compose_train(tmp_path / "run", [
+        *TINY_TRAINER, "data=folder", f"data.root={tmp_path}"]))
+    assert "image folder root" in err and "does not hold that layout" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_num_classes_that_do_not_match_the_data(tmp_path, capsys):
+    write_folder(tmp_path / "d", n=3, encoding="index", classes=3)
+    err = one_line_error(capsys, compose_train(tmp_path / "run", [
+        *TINY_TRAINER, "data=folder", f"data.root={tmp_path / 'd'}", "data.num_classes=3",
+        "data.mask_encoding=index", "model.num_classes=1", "data.patch_size=16"]))
+    assert err == ("error: model.num_classes=1 but data=folder serves 3 classes (1 = binary); "
+                   "set model.num_classes=3 (or pick data that matches model=unet_resnet18)")
+
+
+def test_a_val_size_that_leaves_no_training_image(tmp_path, capsys, kvasir_root):
+    err = one_line_error(capsys, compose_train(tmp_path, [
+        *TINY_TRAINER, "data=kvasir_seg", f"data.root={kvasir_root}", "data.val_size=5000"]))
+    assert err.startswith("error: data.val_size must be between 1 and 999 for 1000")
+
+
+def test_a_missing_corpus(tmp_path, capsys):
+    err = one_line_error(capsys, compose_train(tmp_path, [
+        *TINY_TRAINER, "experiment=shakespeare_gpt", f"data.root={tmp_path / 'nowhere'}"]))
+    assert "nowhere" in err and "input.txt" in err
+
+
+def test_the_command_line_prints_one_line_and_the_full_error_on_request(tmp_path):
+    args = [str(REPO / "train.py"), *TINY, "strategy=sqrtn", "model.stages=[]",
+            f"hydra.run.dir={tmp_path / 'r'}"]
+    short = run_python(args, cwd=tmp_path)
+    assert short.returncode == 1
+    assert short.stderr.strip().splitlines()[-1].startswith(
+        "error: strategy=sqrtn would wrap nothing: model.stages is empty")
+    assert "Traceback" not in short.stderr
+    full = run_python([*args[:-1], f"hydra.run.dir={tmp_path / 'f'}"], cwd=tmp_path,
+                      env={"HYDRA_FULL_ERROR": "1"})
+    assert full.returncode == 1 and "Traceback" in full.stderr and "StageError" in full.stderr

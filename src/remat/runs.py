@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from remat import run_shape
 from remat.callbacks import LastCheckpoint, write_json
+from remat.callbacks.run_dir import secondary_rank
 from remat.callbacks.summary import read_summary
 from remat.models.checks import check_sharded_resume, read_checkpoint
 from remat.run_config import (
@@ -168,12 +169,15 @@ class RunStart:
             resumes), or None for a new run.
         attempt: this attempt's folder, for a resume into its run's own folder; else None.
         typed: the overrides typed on the command line.
+        writes: whether this process writes the run's records (False on a secondary rank
+            resuming into the run's folder).
     """
 
     out: Path
     source: Path | None = None
     attempt: Path | None = None
     typed: tuple[str, ...] = ()
+    writes: bool = True
 
     @classmethod
     def of(cls, cfg: DictConfig) -> RunStart:
@@ -188,6 +192,10 @@ class RunStart:
         if source is None and (out / "config.yaml").is_file():
             source = out  # ckpt_path=last (or a name) in the run's own folder
         same = source is not None and source.resolve() == out.resolve()
+        if same and secondary_rank():
+            # rank > 0 of a DDP/FSDP launch shares rank 0's attempt (Lightning gives it a
+            # .pl_hydra_rank_<n> Hydra folder): it records nothing of its own
+            return cls(out, source, None, typed, writes=False)
         return cls(out, source, attempt_dir(out, subdir) if same else None, typed)
 
     @property
@@ -212,7 +220,7 @@ class RunStart:
 
     def trained(self) -> None:
         """The attempt reached training: its typed overrides count for later resumes."""
-        if self.attempt is not None:
+        if self.attempt is not None and self.writes:
             record_trained_attempt(self.attempt, self.typed)
 
     def record_failure(self, failure: dict[str, Any]) -> None:
@@ -221,6 +229,8 @@ class RunStart:
         else as the run's ``summary.json``; a folder whose summary records a trained run
         is never overwritten (the attempt is noted under ``last_attempt`` there only when
         this is no resume attempt, e.g. ``train(cfg)`` called twice on one folder)."""
+        if not self.writes:
+            return
         if self.attempt is not None:
             write_json(self.attempt / "summary.json", failure)
             return
@@ -236,4 +246,5 @@ class RunStart:
 
     def save_config(self, cfg: DictConfig) -> None:
         """Write the resolved config (:attr:`config_path`)."""
-        OmegaConf.save(cfg, self.config_path, resolve=True)
+        if self.writes:
+            OmegaConf.save(cfg, self.config_path, resolve=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 # The suite runs tiny models, where thread start-up costs more than it saves (notably on a
 # shared 2-core machine); subprocess tests set their own.
 torch.set_num_threads(1)
+# The planner keeps this CPU's calibration on disk; the suite keeps its own, outside $HOME.
+os.environ.setdefault("REMAT_CACHE_DIR", os.path.join(tempfile.gettempdir(), "remat-test-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -18,16 +18,20 @@ over it, to host memory after the forward and back before the recompute.
 
 ``cpu`` has no table row: its FLOP/s and bandwidth are measured on this machine when a plan
 asks for them (:func:`calibrate_cpu`: a float32 matmul and a large copy, a fraction of a
-second), and its memory is the machine's RAM (``os.sysconf``).
+second, measured once per machine and kept on disk so plans are reproducible), and its
+memory is the machine's RAM (``os.sysconf``).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -112,11 +116,28 @@ def _unknown(name: str, key: str) -> PlanInputError:
         "nothing is offloaded)")
 
 
-@functools.cache
-def calibrate_cpu(threads: int | None = None) -> tuple[float, float]:
-    """Measure this CPU's float32 matmul FLOP/s and copy bandwidth (bytes/s): the best of 3
-    timings of a 1024x1024 matmul and of a 64 MiB tensor copy (read + write counted).
-    Cached per process."""
+#: where :func:`calibrate_cpu` keeps its figures: ``$REMAT_CACHE_DIR``, else
+#: ``~/.cache/remat``
+CACHE_ENV = "REMAT_CACHE_DIR"
+_REPEATS = 9
+
+
+def _cpu_key(threads: int) -> str:
+    """What the figures depend on: the CPU model, the threads torch uses, torch's version."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            model = next((line.split(":", 1)[1].strip() for line in handle
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} | {threads} threads | torch {torch.__version__}"
+
+
+def _measure_cpu() -> tuple[float, float]:
+    """Float32 matmul FLOP/s and copy bandwidth (bytes/s): the fastest of
+    :data:`_REPEATS` timings of a 1024x1024 matmul and of a 64 MiB copy (read + write),
+    after one warm-up each (the fastest is the least disturbed by other load)."""
     a = torch.randn(1024, 1024)
     b = torch.randn(1024, 1024)
     src = torch.empty(16 * 2**20)
@@ -124,15 +145,44 @@ def calibrate_cpu(threads: int | None = None) -> tuple[float, float]:
     best_mm = best_copy = float("inf")
     torch.mm(a, b)
     dst.copy_(src)
-    for _ in range(3):
+    for _ in range(_REPEATS):
         start = time.perf_counter()
         torch.mm(a, b)
         best_mm = min(best_mm, time.perf_counter() - start)
         start = time.perf_counter()
         dst.copy_(src)
         best_copy = min(best_copy, time.perf_counter() - start)
-    flops = 2 * 1024**3 / best_mm
-    bandwidth = 2 * src.numel() * src.element_size() / best_copy
+    return 2 * 1024**3 / best_mm, 2 * src.numel() * src.element_size() / best_copy
+
+
+@functools.cache
+def calibrate_cpu(threads: int | None = None) -> tuple[float, float]:
+    """This CPU's float32 matmul FLOP/s and copy bandwidth (bytes/s), measured once per
+    machine (:func:`_measure_cpu`) and kept in ``<cache>/cpu_calibration.json`` under the
+    CPU model, thread count and torch version, so that plans for this CPU are the same from
+    one run to the next (a measurement per process made them depend on the machine's load).
+    Delete the file to measure again. Cached per process too.
+    """
+    threads = int(threads or torch.get_num_threads())
+    folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "remat")
+    path = folder / "cpu_calibration.json"
+    key = _cpu_key(threads)
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if isinstance(entry, dict) and entry.get("fp32_flops") and entry.get("bandwidth"):
+        return float(entry["fp32_flops"]), float(entry["bandwidth"])
+    flops, bandwidth = _measure_cpu()
+    known[key] = {"fp32_flops": flops, "bandwidth": bandwidth}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)  # atomic: two processes calibrating at once leave one whole file
+    except OSError:
+        pass  # a read-only home: measured per process, as before
     return flops, bandwidth
 
 
@@ -144,7 +194,8 @@ def cpu_spec() -> DeviceSpec:
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
         memory = 0
     return DeviceSpec("cpu", "this CPU (calibrated)", int(memory), flops, flops, bandwidth,
-                      "measured here: 1024x1024 float32 matmul and a 64 MiB copy, best of 3")
+                      f"measured here: 1024x1024 float32 matmul and a 64 MiB copy, best of "
+                      f"{_REPEATS}, kept per machine ({_cpu_key(torch.get_num_threads())})")
 
 
 def _present_cuda() -> DeviceSpec | None:

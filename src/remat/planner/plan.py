@@ -76,6 +76,8 @@ class Plan:
             step's FLOPs without checkpointing.
         predicted_overhead: modelled step time over ``none``'s (roofline, >= 1).
         objective: what the search minimised (``time`` or ``flops``).
+        device_figures: the figures the time model used (FLOP/s, bytes/s, their source: the
+            datasheet, or this CPU's calibration and what it was measured on).
     """
 
     units: list[UnitPlan]
@@ -96,6 +98,7 @@ class Plan:
     step_flops: int = 0
     predicted_overhead: float = 1.0
     objective: str = "time"
+    device_figures: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     version: int = PLAN_VERSION
 

@@ -319,7 +319,7 @@ class Planner:
                     accumulate_grad_batches=self.accumulate, world_size=self.world_size,
                     device=self.spec.name,
                     none_peak_bytes=self.none.peak_bytes, step_flops=self.none.step_flops,
-                    objective=self.objective)
+                    objective=self.objective, device_figures=self.spec.to_dict())
         plan.predicted_overhead = 1.0 + self.modelled_time(plan) / max(
             self.profile.step_time, 1e-12)
         return plan

@@ -184,7 +184,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if points:
         report_log.info("frontier (plans for budgets from the floor to none) and fixed "
                         "strategies:\n" + format_points(points))
-        write_frontier(points, out, shape)
+        write_frontier(points, out, shape, planner.objective)
         result["frontier"] = [vars(p) for p in points]
     if effective:
         rows = micro_batches(cfg, memory, effective, planner)

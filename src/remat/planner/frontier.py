@@ -121,8 +121,10 @@ MARKERS = {"none": "s", "full": "v", "sqrtn": "^", "every_k k=2": "<", "every_k 
            "selective matmul": "D"}
 
 
-def write_frontier(points: list[Point], out: Path, title: str) -> None:
-    """``frontier.csv`` and ``frontier.png`` (:func:`frontier_figure`)."""
+def write_frontier(points: list[Point], out: Path, title: str, objective: str = "time"
+                   ) -> None:
+    """``frontier.csv`` and ``frontier.png`` (:func:`frontier_figure`; ``objective``: what
+    the plans minimised)."""
     with (out / "frontier.csv").open("w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["kind", "label", "budget_bytes", "peak_bytes", "recompute_flops",
@@ -132,17 +134,20 @@ def write_frontier(points: list[Point], out: Path, title: str) -> None:
                              p.flops_ratio, p.overhead, p.note])
     import matplotlib.pyplot as plt
 
-    fig = frontier_figure(points, title)
+    fig = frontier_figure(points, title, objective)
     fig.savefig(out / "frontier.png", dpi=120)
     plt.close(fig)
 
 
-def frontier_figure(points: list[Point], title: str) -> Any:
-    """The frontier as a matplotlib ``Figure`` (Agg): traced peak (MiB) against step FLOPs
-    x none, the plans as a line, each fixed strategy with its own marker and colour, filled
-    on the model's default stages and hollow (larger) on the whole network, so points that
-    coincide still show. A legend beside the axes names them (no text at the points, which
-    overlapped) and ``title`` is wrapped to the figure's width (constrained layout)."""
+def frontier_figure(points: list[Point], title: str, objective: str = "time") -> Any:
+    """The frontier as a matplotlib ``Figure`` (Agg), two panels sharing the x axis (traced
+    peak, MiB): step FLOPs x none, and modelled step time x none (the roofline the search
+    minimises under ``objective=time``), so a plan is never drawn as dominated by a point it
+    beats on what it was planned for; the panel of the ``objective`` is marked. The plans
+    are a line, each fixed strategy has its own marker and colour, filled on the model's
+    default stages and hollow (larger) on the whole network, so points that coincide still
+    show. A legend beside the axes names them and ``title`` is wrapped to the figure's
+    width (constrained layout)."""
     import textwrap
 
     import matplotlib
@@ -150,29 +155,33 @@ def frontier_figure(points: list[Point], title: str) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
-    plans = [p for p in points if p.kind == "plan" and p.peak_bytes is not None]
-    ax.plot([p.peak_bytes / 2**20 for p in plans], [p.flops_ratio for p in plans], "o-",
-            color="C0", label="remat plans (budgets)", zorder=3)
-    colors: dict[str, str] = {}
-    for p in points:
-        if p.kind != "fixed" or p.peak_bytes is None:
-            continue
-        name, _, stages = p.label.partition(" (")
-        first = name not in colors
-        color = colors.setdefault(name, f"C{len(colors) + 1}")
-        whole = stages.startswith("whole")
-        ax.scatter(p.peak_bytes / 2**20, p.flops_ratio, marker=MARKERS.get(name, "o"),
-                   s=80 if whole else 30, facecolors="none" if whole else color,
-                   edgecolors=color, linewidths=1.2, label=name if first else None,
-                   zorder=4 if whole else 5)
-    ax.set_xlabel("traced peak of a training step (MiB)")
-    ax.set_ylabel("step FLOPs x none (recompute cost)")
-    ax.set_title(textwrap.fill(title, 90), fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
-              title="fixed strategies:\nfilled: model.stages\nhollow: whole network",
-              title_fontsize=7, alignment="left")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), layout="constrained", sharex=True)
+    panels = (("flops_ratio", "step FLOPs x none (recompute cost)", "flops"),
+              ("overhead", "modelled step time x none (roofline)", "time"))
+    for ax, (attr, label, name) in zip(axes, panels, strict=True):
+        plans = [p for p in points if p.kind == "plan" and p.peak_bytes is not None
+                 and getattr(p, attr) is not None]
+        ax.plot([p.peak_bytes / 2**20 for p in plans], [getattr(p, attr) for p in plans],
+                "o-", color="C0", label="remat plans (budgets)", zorder=3)
+        colors: dict[str, str] = {}
+        for p in points:
+            if p.kind != "fixed" or p.peak_bytes is None or getattr(p, attr) is None:
+                continue
+            short, _, stages = p.label.partition(" (")
+            first = short not in colors
+            color = colors.setdefault(short, f"C{len(colors) + 1}")
+            whole = stages.startswith("whole")
+            ax.scatter(p.peak_bytes / 2**20, getattr(p, attr), marker=MARKERS.get(short, "o"),
+                       s=80 if whole else 30, facecolors="none" if whole else color,
+                       edgecolors=color, linewidths=1.2, label=short if first else None,
+                       zorder=4 if whole else 5)
+        ax.set_xlabel("traced peak of a training step (MiB)")
+        ax.set_ylabel(label + ("  [the plans' objective]" if name == objective else ""))
+        ax.grid(alpha=0.3)
+    fig.suptitle(textwrap.fill(title, 120), fontsize=8)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                   title="fixed strategies:\nfilled: model.stages\nhollow: whole network",
+                   title_fontsize=7, alignment="left")
     return fig
 
 

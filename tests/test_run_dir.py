@@ -108,7 +108,7 @@ def test_in_use_error_names_the_holder(tmp_path):
 def test_every_entry_point_has_a_console_script():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) == {"remat-train", "remat-bench", "remat-estimate", "remat-report",
-                            "remat-eval", "remat-plan"}
+                            "remat-eval", "remat-plan", "remat-predict"}
     for name, target in scripts.items():
         module, func = target.split(":")
         assert callable(getattr(import_module(module), func)), name

@@ -174,7 +174,10 @@ def test_an_empty_label_split_does_not_start_a_run(tmp_path):
     message = str(info.value)
     assert "the train split has no foreground: its 3 mask(s) hold class 0 (background) only" \
         in message and "the val split has no foreground" in message
-    assert json.loads((out / "summary.json").read_text())["global_step"] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    # stopped before the Trainer existed: no step recorded, no checkpoint written
+    assert summary["status"] == "failed" and "global_step" not in summary
+    assert "no foreground" in summary["error"] and not (out / "checkpoints").exists()
     assert not (out / "checkpoints").exists()
 
 

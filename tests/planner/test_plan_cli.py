@@ -20,7 +20,7 @@ from remat.plan import run as plan_run
 from remat.planner import InfeasibleBudget, Plan, PlanMismatch, PlanStrategy, devices
 from remat.planner.frontier import MARKERS, Point, frontier_figure
 from remat.planner.run import check_plan_fits, plan_for_run
-from remat.train import main as train_main
+from remat.train import _hydra_main as train_main
 from tests.helpers import TINY, compose_app, compose_train
 
 
@@ -36,11 +36,12 @@ def _plan_file(tmp_path, **fields):
 @pytest.mark.parametrize(("fields", "mode"), [
     ({"batch_size": 2}, RunMode.RUN), ({"batch_size": 2}, RunMode.MULTIRUN),
     ({"fingerprint": "0123abcd", "model": "Unet"}, RunMode.RUN)])
-def test_a_plan_of_another_run_shape_or_network_fails_in_one_line(tmp_path, fields, mode):
+def test_a_plan_of_another_run_shape_or_network_fails_in_one_line(tmp_path, capsys, fields,
+                                                                  mode):
     """``python train.py`` (the Hydra app's function, as Hydra calls it): a single run ends
-    with the message as ``SystemExit`` (Python prints it alone on stderr, exit code 1, no
-    traceback), also where ``instantiate`` wraps it (the network check runs in the model's
-    constructor); a multirun job raises, so Hydra runs the sweep's other jobs."""
+    with ``error: <message>`` alone on stderr and exit code 1 (no traceback), also where
+    ``instantiate`` wraps it (the network check runs in the model's constructor);
+    a multirun job raises, so Hydra runs the sweep's other jobs."""
     path = _plan_file(tmp_path, **fields)
     cfg = compose_train(tmp_path / "run", [*TINY, "strategy=plan", f"strategy.path={path}"])
     with read_write(cfg.hydra):
@@ -54,7 +55,8 @@ def test_a_plan_of_another_run_shape_or_network_fails_in_one_line(tmp_path, fiel
     if mode is RunMode.RUN:
         with pytest.raises(SystemExit) as stop:
             train_main.__wrapped__(cfg)
-        assert stop.value.code == f"error: {message}" and stop.value.__cause__ is None
+        assert stop.value.code == 1 and stop.value.__cause__ is None
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
     else:
         with pytest.raises(PlanMismatch) as raised:
             train_main.__wrapped__(cfg)
@@ -240,7 +242,8 @@ def test_bad_planner_settings_and_infeasible_budgets_end_a_run_without_a_traceba
     cfg = compose_train(tmp_path / "bad", [*TINY, "strategy=budget", "strategy.memory=abc"])
     with pytest.raises(SystemExit) as stop:
         train_main.__wrapped__(as_single_run(cfg))
-    assert str(stop.value.code).startswith("error: strategy.memory='abc': cannot read")
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.startswith("error: strategy.memory='abc': cannot read")
     cfg = compose_app("plan", tmp_path / "plan", ["strategy.memory=0"])
     with pytest.raises(SystemExit) as stop:
         plan_main.__wrapped__(as_single_run(cfg))

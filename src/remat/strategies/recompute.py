@@ -251,28 +251,54 @@ def _initialised(buf: Any) -> bool:
 
 
 class _StateGuard:
-    """Before/after one forward call: what its replay must protect (module docstring)."""
+    """Before/after one forward call: what its replay must protect (module docstring).
 
-    def __init__(self, module: nn.Module, state: UnitState) -> None:
+    Args:
+        module: the unit called.
+        state: what earlier calls of the unit learned.
+        generators: ``torch.Generator`` objects passed to the call as arguments (the
+            unit's modules' own generators are found here).
+    """
+
+    def __init__(self, module: nn.Module, state: UnitState,
+                 generators: tuple[torch.Generator, ...] = ()) -> None:
         self.state = state
         # norm modules, not their buffers: a lazy norm creates its statistics in the call
         self.norms: list[nn.Module] = []
         self.snapshot: dict[tuple[nn.Module, str], torch.Tensor] = {}
-        self._watch: list[tuple[nn.Module, str, torch.Tensor, int]] = []
+        self._watch: list[tuple[nn.Module, str, torch.Tensor, int, int]] = []
+        # the parameters and buffers the call runs with (functional_call swaps in others
+        # and restores the module's own before backward): references, no copies
+        self.tensors: list[tuple[dict, str, Any]] = []
+        seen: dict[int, torch.Generator] = {id(g): g for g in generators}
         for m in module.modules():
             if isinstance(m, _NormBase) and m.track_running_stats and m.training:
                 self.norms.append(m)
+            self.tensors.extend((m._parameters, name, p) for name, p in m._parameters.items())
+            self.tensors.extend((m._buffers, name, b) for name, b in m._buffers.items())
+            for value in vars(m).values():
+                if isinstance(value, torch.Generator):
+                    seen.setdefault(id(value), value)
             for name, buf in m._buffers.items():
                 if not _initialised(buf) or _is_norm_stat(m, name):
                     continue
-                self._watch.append((m, name, buf, buf._version))
+                self._watch.append((m, name, buf, buf._version, buf.data_ptr()))
                 if not state.learned or (id(m), name) in state.stateful:
                     self.snapshot[(m, name)] = buf.detach().clone()
+        # a generator's state before the call: the replay draws the same numbers
+        self.generators = [(g, g.get_state()) for g in seen.values()]
 
     def finish(self) -> None:
-        """After the forward call: learn which buffers it changed."""
-        changed = {(id(m), name) for m, name, buf, version in self._watch
-                   if m._buffers.get(name) is not buf or buf._version != version}
+        """After the forward call: learn which buffers it changed. A change through
+        ``.data`` bumps no version counter: the first call compares values too, later
+        calls the storage (``.data = ...`` assigns a new one)."""
+        changed = set()
+        for m, name, buf, version, ptr in self._watch:
+            if (m._buffers.get(name) is not buf or buf._version != version
+                    or buf.data_ptr() != ptr):
+                changed.add((id(m), name))
+            elif not self.state.learned and not torch.equal(buf, self.snapshot[(m, name)]):
+                changed.add((id(m), name))
         if not self.state.learned:
             self.state.learned = True
             self.state.stateful = changed
@@ -282,34 +308,48 @@ class _StateGuard:
             self.state.stateful |= changed
         self._watch = []
 
+    def rewind_generators(self) -> None:
+        """Set every generator the call drew from back to its state before the call."""
+        for gen, before in self.generators:
+            gen.set_state(before)
 
 
 @contextlib.contextmanager
 def _replaying(guards: list[_StateGuard], norms: bool = True) -> Iterator[None]:
-    """During the replay of a region's calls (``guards`` in call order): norm statistics
-    write into copies, changed buffers start from their values before the first call that
-    changed them; everything restored after. The copies are made before the replay runs
-    (outside any dispatch mode a strategy enters for the recompute), and a buffer shared by
-    several calls gets one copy, so later calls see the earlier calls' replayed updates as
-    the forward did. ``norms=False`` skips the norm copies, for a recompute that runs no op
-    writing them (a strategy's recompute context says so with ``rewrites_state``)."""
-    swaps: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor]] = {}
+    """During the replay of a region's calls (``guards`` in call order): the parameters and
+    buffers each call ran with are in place (``torch.func.functional_call`` restored the
+    module's own after the forward), norm statistics write into copies, changed buffers
+    start from their values before the first call that changed them; everything restored
+    after, the generators the calls drew from included. The copies are made before the
+    replay runs (outside any dispatch mode a strategy enters for the recompute), and a
+    buffer shared by several calls gets one copy, so later calls see the earlier calls'
+    replayed updates as the forward did. ``norms=False`` skips the norm copies, for a
+    recompute that runs no op writing them (a strategy's recompute context says so with
+    ``rewrites_state``)."""
+    swaps: dict[tuple[int, str], tuple[dict, str, Any]] = {}
     for guard in guards:
         for m in guard.norms if norms else ():
             for name in _STAT_BUFFERS:
-                if (id(m), name) not in swaps and _initialised(m._buffers.get(name)):
-                    swaps[(id(m), name)] = (m, name, m._buffers[name].clone())
+                key = (id(m._buffers), name)
+                if key not in swaps and _initialised(m._buffers.get(name)):
+                    swaps[key] = (m._buffers, name, m._buffers[name].clone())
         for (m, name), before in guard.snapshot.items():
-            swaps.setdefault((id(m), name), (m, name, before.clone()))
+            swaps.setdefault((id(m._buffers), name), (m._buffers, name, before.clone()))
+        for table, name, tensor in guard.tensors:
+            if table.get(name) is not tensor:
+                swaps.setdefault((id(table), name), (table, name, tensor))
     originals = []
-    for m, name, copy in swaps.values():
-        originals.append((m, name, m._buffers.get(name)))
-        m._buffers[name] = copy
+    for table, name, value in swaps.values():
+        originals.append((table, name, table.get(name)))
+        table[name] = value
+    generators = {id(g): (g, g.get_state()) for guard in guards for g, _ in guard.generators}
     try:
         yield
     finally:
-        for m, name, buf in reversed(originals):
-            m._buffers[name] = buf
+        for table, name, value in reversed(originals):
+            table[name] = value
+        for gen, state in generators.values():
+            gen.set_state(state)
 
 
 # --- regions --------------------------------------------------------------------------
@@ -378,11 +418,25 @@ class _Tape:
                 raise
             except _ckpt.CheckpointError as err:
                 self.raise_named(err)
+            except RuntimeError as err:
+                if "backward an extra time" not in str(err):
+                    self._note(err)
+                    raise
+                raise RecomputeError(
+                    f"remat: '{self.current}' (strategy '{self.strategy}') was recomputed for "
+                    "a second backward through the same forward (higher-order gradients, e.g. "
+                    "torch.autograd.grad(..., create_graph=True) as MAML's inner step uses): "
+                    "selective activation checkpointing keeps each saved op output for one "
+                    "backward only (torch's rule). Use strategy=full, sqrtn or every_k for "
+                    "this model, or leave this module out of model.stages.") from err
             except Exception as err:
-                if hasattr(err, "add_note"):
-                    err.add_note(f"remat: raised while recomputing '{self.current}' "
-                                 f"(strategy '{self.strategy}')")
+                self._note(err)
                 raise
+
+    def _note(self, err: BaseException) -> None:
+        if hasattr(err, "add_note"):
+            err.add_note(f"remat: raised while recomputing '{self.current}' "
+                         f"(strategy '{self.strategy}')")
 
     def _replay(self) -> None:
         values = []
@@ -405,6 +459,7 @@ class _Tape:
             for call in self.calls:
                 self.current = call.path
                 torch.set_rng_state(call.cpu_rng)
+                call.guard.rewind_generators()
                 if call.devices:
                     _ckpt.set_device_states(call.devices, call.device_rng,
                                             device_type=call.device_type)
@@ -488,7 +543,8 @@ class Region:
                                else ([], []))
         if wrap.state is None:
             wrap.state = UnitState()
-        guard = _StateGuard(module, wrap.state)
+        guard = _StateGuard(module, wrap.state, tuple(
+            leaf for leaf in leaves if isinstance(leaf, torch.Generator)))
         self.tape.calls.append(_Call(wrap.path, forward, spec, sources, torch.get_rng_state(),
                                      device_type, devices, device_rng,
                                      _autocast_state(device_type), guard))
@@ -554,11 +610,14 @@ def _public_checkpoint(strategy: Any, module: nn.Module, wrap: Any,
     (segments of a chain are then not shared, and errors do not name the unit)."""
     if wrap.state is None:
         wrap.state = UnitState()
-    guard = _StateGuard(module, wrap.state)
+    leaves = tree_flatten((args, kwargs))[0]
+    guard = _StateGuard(module, wrap.state, tuple(
+        leaf for leaf in leaves if isinstance(leaf, torch.Generator)))
 
     @contextlib.contextmanager
     def replaying(recompute_ctx: Any) -> Iterator[None]:
         with _recomputing(), _replaying([guard]), recompute_ctx:
+            guard.rewind_generators()
             yield
 
     def contexts() -> tuple:

@@ -1,0 +1,211 @@
+"""State a unit's forward reads or writes outside its arguments: the replay sees what the
+forward saw, and writes nothing the forward did not.
+
+Three kinds that gave other gradients without an error before (public bug kinds of VQ
+layers, stochastic modules and meta-learning):
+
+- a buffer updated through ``.data`` (the EMA codebook of a VQ-VAE layer), which bumps no
+  version counter;
+- random numbers drawn from a ``torch.Generator`` the module holds (or one passed to it);
+- ``torch.func.functional_call(model, other_params, ...)`` (MAML's fast weights, an
+  ensemble's members): the call swaps the parameters back before backward recomputes.
+
+Every recomputing strategy of the registry is checked against ``none``: outputs, gradients,
+buffers and the generators' states after two steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from remat.strategies import STRATEGIES, RecomputeError, RecomputeStrategy, build_strategy
+
+#: every recomputing strategy of the registry, with arguments that make real segments
+RECOMPUTING = [(name, {"segments": "sqrtn"} if name == "offload" else
+                {"k": 2} if name == "every_k" else {})
+               for name, cls in STRATEGIES.items() if issubclass(cls, RecomputeStrategy)]
+WIDTH = 8
+
+
+class EMACodebook(nn.Module):
+    """A VQ layer's EMA codebook: the nearest code replaces the input (straight-through)
+    and the codebook moves toward the inputs through ``.data`` (``how`` picks the idiom)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("codes", torch.randn(4, WIDTH))
+        self.how = how
+
+    def forward(self, x):
+        z = self.fc(x)
+        nearest = torch.cdist(z.detach(), self.codes).argmin(dim=1)
+        q = self.codes[nearest]
+        if self.training:
+            mean = z.detach().mean(0, keepdim=True)
+            if self.how == "mul_add":
+                self.codes.data.mul_(0.9).add_(0.1 * mean)
+            elif self.how == "assign":
+                self.codes.data = 0.9 * self.codes + 0.1 * mean
+            else:  # copy_
+                self.codes.data.copy_(0.9 * self.codes + 0.1 * mean)
+        return x + z + (q - z).detach() * z.sigmoid()
+
+
+class OwnGenerator(nn.Module):
+    """Noise from the module's own generator (a stochastic layer seeded apart)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        noise = torch.rand(x.shape, generator=self.gen)
+        return x + F.gelu(self.fc(x)) * noise
+
+
+class GivenGenerator(nn.Module):
+    """Noise from a generator the parent passes as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, gen=None):
+        return x + F.gelu(self.fc(x)) * torch.rand(x.shape, generator=gen)
+
+
+class Chain(nn.Module):
+    def __init__(self, make, n: int = 4, gen: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(make() for _ in range(n))
+        self.gen = gen
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x, gen=self.gen) if self.gen is not None else blk(x)
+        return x
+
+
+class MAML(nn.Module):
+    """One inner SGD step on fast weights, then the query loss through
+    ``functional_call`` with them (the model's own parameters are not used)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Chain(lambda: Residual(), n=4)
+
+    def forward(self, x):
+        params = dict(self.net.named_parameters())
+        inner = functional_call(self.net, params, (x,)).square().mean()
+        grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+        fast = {n: p - 0.5 * g for (n, p), g in zip(params.items(), grads, strict=True)}
+        return functional_call(self.net, fast, (x,))
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Ensemble(nn.Module):
+    """One network called with each member's parameters (another model's ``Parameter``s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Chain(lambda: Residual(), n=4)
+        self.members = nn.ModuleList(Chain(lambda: Residual(), n=4) for _ in range(2))
+
+    def forward(self, x):
+        outs = [functional_call(self.net, dict(m.named_parameters()), (x,))
+                for m in self.members]
+        return sum(outs) + self.net(x)
+
+
+def _generators(model: nn.Module) -> list[torch.Tensor]:
+    gens = [v for m in model.modules() for v in vars(m).values()
+            if isinstance(v, torch.Generator)]
+    return [g.get_state() for g in gens]
+
+
+def _steps(model: nn.Module, x: torch.Tensor, steps: int = 2):
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return (out.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()},
+            _generators(model))
+
+
+def _assert_same_function(make, stages, x, refused: dict[str, str] | None = None):
+    """Each recomputing strategy gives ``none``'s function on ``make()``, or (``refused``:
+    strategy -> words of the message) raises a :class:`RecomputeError` naming the unit."""
+    torch.manual_seed(0)
+    base = make()
+    ref = _steps(copy.deepcopy(base), x)
+    for name, overrides in RECOMPUTING:
+        model = copy.deepcopy(base)
+        build_strategy(name, **overrides).apply(model, stages)
+        if name in (refused or {}):
+            with pytest.raises(RecomputeError) as err:
+                _steps(model, x)
+            assert f"'{stages[0]}." in str(err.value) and refused[name] in str(err.value)
+            continue
+        got = _steps(model, x)
+        assert torch.equal(got[0], ref[0]), name
+        assert got[1].keys() == ref[1].keys(), name
+        for key, grad in ref[1].items():
+            torch.testing.assert_close(got[1][key], grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"{name}: {key}")
+        for key, value in ref[2].items():
+            assert torch.equal(got[2][key], value), f"{name}: buffer {key}"
+        assert len(got[3]) == len(ref[3]), name
+        for after, expected in zip(got[3], ref[3], strict=True):
+            assert torch.equal(after, expected), f"{name}: generator state"
+
+
+@pytest.mark.parametrize("how", ["mul_add", "assign", "copy_"])
+def test_a_buffer_updated_through_data_is_updated_once_per_forward(how):
+    """The EMA codebook moves once per step, as without remat, and the replay quantises with
+    the codes the forward used (its gradients differed by 2.9e-3 before)."""
+    _assert_same_function(lambda: Chain(lambda: EMACodebook(how)), ["blocks"],
+                          torch.randn(6, WIDTH))
+
+
+def test_a_modules_own_generator_draws_the_same_numbers_in_the_replay():
+    """The replay draws the forward's numbers and leaves the generator where the forward
+    left it (gradients differed by up to 0.23 before)."""
+    _assert_same_function(lambda: Chain(OwnGenerator), ["blocks"], torch.randn(6, WIDTH))
+
+
+def test_a_generator_passed_as_an_argument_draws_the_same_numbers_in_the_replay():
+    _assert_same_function(lambda: Chain(GivenGenerator, gen=torch.Generator().manual_seed(9)),
+                          ["blocks"], torch.randn(6, WIDTH))
+
+
+def test_functional_call_with_fast_weights_recomputes_with_them():
+    """MAML: the query pass runs on fast weights; the replay must use those, not the
+    parameters ``functional_call`` restored (gradients differed by 0.29 before). The second
+    backward of MAML's outer step is refused by ``selective`` (torch keeps its saved op
+    outputs for one backward), naming the unit."""
+    _assert_same_function(MAML, ["net.blocks"], torch.randn(6, WIDTH),
+                          refused={"selective": "second backward"})
+
+
+def test_functional_call_with_another_models_parameters_recomputes_with_them():
+    _assert_same_function(Ensemble, ["net.blocks"], torch.randn(6, WIDTH))

@@ -6,7 +6,8 @@ a plain loop, a loop that keeps every block's output (MONAI UNETR's skips, Huggi
 draws random numbers (layer drop, dropout in the parent), keyword arguments and tuple
 returns (Hugging Face layers), the same block called twice, dense connections (DenseNet),
 in-place changes between blocks, blocks called by index in another order, two chains
-called alternately, and forward hooks on a block.
+called alternately, one block held several times by a chain (ALBERT's shared layer), and
+forward hooks on a block.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.strategies import build_strategy, is_recomputing
+from remat.strategies import StageError, build_strategy, is_recomputing
 from tests.strategies.common import count_calls
 
 RECOMPUTING = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}), ("every_k", {"k": 8}),
@@ -195,13 +196,34 @@ class WithHead(Loop):
         return out.main + out.aux["mean"]
 
 
+class SharedList(Loop):
+    """One block held four times (ALBERT's shared layer, universal transformers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block()] * 4)
+
+
+class SharedSequential(nn.Module):
+    """``nn.Sequential(*[block] * 4)`` called as a whole, twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block()] * 4)
+
+    def forward(self, x):
+        return self.blocks(self.blocks(x))
+
+
 PATTERNS = {"loop": (Loop, ["blocks"]), "collect": (Collect, ["blocks"]),
             "parallel": (Parallel, ["blocks"]), "random_between": (RandomBetween, ["blocks"]),
             "keywords": (Keywords, ["layers"]), "twice": (Twice, ["blocks"]),
             "module_stage": (WithHead, ["blocks", "head"]), "dense": (Dense, ["blocks"]),
             "in_place_between": (InPlaceBetween, ["blocks"]),
             "subset_reversed": (SubsetReversed, ["blocks"]),
-            "interleaved": (Interleaved, ["blocks", "other"])}
+            "interleaved": (Interleaved, ["blocks", "other"]),
+            "shared_list": (SharedList, ["blocks"]),
+            "shared_sequential": (SharedSequential, ["blocks"])}
 
 
 def _steps(model, x, steps=2):
@@ -292,3 +314,25 @@ def test_forward_hooks_see_each_blocks_true_output_once_per_step():
     assert len(seen["sqrtn"][0]) == 1 and torch.equal(seen["sqrtn"][0][0], seen["none"][0][0])
     assert seen["none"][1] == [False] and seen["sqrtn"][1] == [False, True]
     assert not is_recomputing()
+
+
+@pytest.mark.parametrize("strategy,overrides", RECOMPUTING)
+def test_a_shared_block_is_recomputed_once_per_call(strategy, overrides):
+    """A chain holding one block four times: each of its four calls is one member of its
+    segment, recomputed once (forward 4 calls + recompute 4 calls)."""
+    torch.manual_seed(0)
+    model = SharedList()
+    build_strategy(strategy, **overrides).apply(model, ["blocks"])
+    counts, _ = count_calls([model.blocks[0]], inner=True)
+    model.train()
+    model(torch.randn(4, WIDTH)).sum().backward()
+    assert counts[id(model.blocks[0])] == 8
+
+
+def test_a_module_listed_in_two_stages_is_refused_naming_both():
+    torch.manual_seed(0)
+    model = Interleaved()
+    model.other[0] = model.blocks[0]
+    with pytest.raises(StageError) as err:
+        build_strategy("sqrtn").apply(model, ["blocks", "other"])
+    assert "'other.0'" in str(err.value) and "'blocks.0'" in str(err.value)

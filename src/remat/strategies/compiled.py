@@ -286,9 +286,9 @@ class CompileBudget(CheckpointStrategy):
             if isinstance(module, nn.ModuleList | nn.ModuleDict) else [(path, module)])
         # the members of a list are one stage for the bypass check (a parent may skip some)
         group = ChainPlan(path, [(0, len(targets))]) if len(targets) > 1 else None
-        for index, (target_path, target) in enumerate(targets):
+        for target_path, target, indices in wrapping.distinct_members(targets):
             wrapping.install(target, wrapping.Wrap(self, target_path, self.run, chain=group,
-                                                   index=index))
+                                                   index=indices[0]))
             report.wrapped.append(target_path)
 
     def run(self, module: nn.Module, wrap: wrapping.Wrap, forward: Callable,

@@ -182,10 +182,10 @@ class OffloadCheckpoint(RecomputeStrategy):
                    else [("", module)])
         # the members of a list are one stage for the bypass check (a parent may skip some)
         group = ChainPlan(path, [(0, len(targets))]) if targets[0][0] else None
-        for index, (name, target) in enumerate(targets):
+        for name, target, indices in wrapping.distinct_members(targets):
             wrapping.install(target, wrapping.Wrap(self, f"{path}.{name}" if name else path,
                                                    self.run_offloaded, chain=group,
-                                                   index=index))
+                                                   index=indices[0]))
         # Nothing is recomputed in this mode, so no module is reported as wrapped.
 
     def run_offloaded(self, module: nn.Module, wrap: wrapping.Wrap,

@@ -573,26 +573,39 @@ class ChainPlan:
         self.segment_of = [i for i, (start, end) in enumerate(self.bounds)
                            for _ in range(start, end)]
         self._open: Region | None = None
+        self.position = -1  # the member position of the chain's last call in this forward
+
+    def member_index(self, wrap: Any) -> int:
+        """The chain position of this call of ``wrap``'s module: its own, or, for a module
+        the chain holds several times, the first of its positions after the chain's last
+        call (back to its first position once the chain has gone past them all)."""
+        if not wrap.indices:
+            return wrap.index
+        return next((i for i in wrap.indices if i > self.position), wrap.indices[0])
 
     def region_for(self, strategy: Any, wrap: Any) -> Region:
-        """The region a call of member ``wrap.index`` joins: the open region of its segment
-        if the call moves forward in it, else a new one."""
-        segment = self.segment_of[wrap.index]
+        """The region a call of member ``wrap`` joins (at :meth:`member_index`): the open
+        region of its segment if the call moves forward in it, else a new one."""
+        index = self.member_index(wrap)
+        self.position = index
+        segment = self.segment_of[index]
         start, end = self.bounds[segment]
         region = self._open
-        if region is None or region.segment != segment or wrap.index <= region.last_index:
-            label = wrap.path if end - start == 1 else f"{self.path}[{start}:{end}]"
+        if region is None or region.segment != segment or index <= region.last_index:
+            label = (f"{wrap.path}" if end - start == 1 and not wrap.indices
+                     else f"{self.path}[{start}:{end}]")
             region = Region(strategy, label, segment)
-        region.last_index = wrap.index
-        self._open = region if wrap.index < end - 1 else None
+        region.last_index = index
+        self._open = region if index < end - 1 else None
         return region
 
     def close(self) -> None:
         """End the open segment (after the model's forward): later calls start new ones."""
         self._open = None
+        self.position = -1
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_open": None}
+        return {**self.__dict__, "_open": None, "position": -1}
 
 
 def _checkpoint_call(forward: Callable[..., Any], args: tuple, kwargs: dict,

@@ -71,9 +71,10 @@ class RecomputeStrategy(CheckpointStrategy):
             members = chain_members(module)
             bounds = self.segments_for(len(members))
             plan = ChainPlan(path, bounds)
-            for index, (name, member) in enumerate(members):
-                wrapping.install(member, wrapping.Wrap(self, f"{path}.{name}", self.run,
-                                                       chain=plan, index=index))
+            for name, member, indices in wrapping.distinct_members(members):
+                wrapping.install(member, wrapping.Wrap(
+                    self, f"{path}.{name}", self.run, chain=plan, index=indices[0],
+                    indices=indices if len(indices) > 1 else ()))
             report.segments[path] = bounds
             report.wrapped.extend(f"{path}.{name}" for name, _ in members)
         else:

@@ -62,7 +62,10 @@ class Wrap:
             for a wrap that changes no forward.
         chain: for a member of a chain (Sequential/ModuleList/ModuleDict stage), the
             :class:`~remat.strategies.recompute.ChainPlan` of its chain; else ``None``.
-        index: position of the member in its chain.
+        index: position of the member in its chain (its first, for a module the chain holds
+            several times).
+        indices: every position of the member in its chain, when the chain holds the same
+            module several times (a layer shared as ALBERT's is); else empty.
         calls: training calls with grad that ran through the wrap (eager ones).
         traced: the wrap was traced by ``torch.compile`` (calls are not counted there).
         state: per-unit runtime state of the owner (rebuilt after pickling).
@@ -74,6 +77,7 @@ class Wrap:
     runner: Callable[..., Any] | None = None
     chain: Any = None
     index: int = 0
+    indices: tuple[int, ...] = ()
     calls: int = 0
     traced: bool = False
     state: Any = None
@@ -126,6 +130,17 @@ def mark_traced(wrap: Wrap) -> None:
     path: runs once per trace (not per step) and adds no graph break or guard."""
     if _comptime is not None:
         _comptime(_note_traced)
+
+
+def distinct_members(members: list[tuple[str, nn.Module]]
+                     ) -> list[tuple[str, nn.Module, tuple[int, ...]]]:
+    """The distinct modules of a chain's ``(name, member)`` list, each once, with its first
+    name and every position it holds (a chain may hold one module several times: ALBERT's
+    and universal transformers' shared layer, ``nn.Sequential(*[block] * n)``)."""
+    seen: dict[int, list[Any]] = {}
+    for index, (name, member) in enumerate(members):
+        seen.setdefault(id(member), [name, member, []])[2].append(index)
+    return [(name, member, tuple(indices)) for name, member, indices in seen.values()]
 
 
 def install(module: nn.Module, wrap: Wrap) -> Wrap:

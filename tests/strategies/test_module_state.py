@@ -16,15 +16,19 @@ buffers and the generators' states after two steps.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from remat.strategies import STRATEGIES, RecomputeError, RecomputeStrategy, build_strategy
+from remat.strategies import (
+    STRATEGIES,
+    RecomputeError,
+    RecomputeStrategy,
+    StageError,
+    build_strategy,
+)
 
 #: every recomputing strategy of the registry, with arguments that make real segments
 RECOMPUTING = [(name, {"segments": "sqrtn"} if name == "offload" else
@@ -155,11 +159,13 @@ def _steps(model: nn.Module, x: torch.Tensor, steps: int = 2):
 def _assert_same_function(make, stages, x, refused: dict[str, str] | None = None):
     """Each recomputing strategy gives ``none``'s function on ``make()``, or (``refused``:
     strategy -> words of the message) raises a :class:`RecomputeError` naming the unit."""
-    torch.manual_seed(0)
-    base = make()
-    ref = _steps(copy.deepcopy(base), x)
+    def fresh() -> nn.Module:  # built again, not deep-copied (TorchScript modules)
+        torch.manual_seed(0)
+        return make()
+
+    ref = _steps(fresh(), x)
     for name, overrides in RECOMPUTING:
-        model = copy.deepcopy(base)
+        model = fresh()
         build_strategy(name, **overrides).apply(model, stages)
         if name in (refused or {}):
             with pytest.raises(RecomputeError) as err:
@@ -209,3 +215,31 @@ def test_functional_call_with_fast_weights_recomputes_with_them():
 
 def test_functional_call_with_another_models_parameters_recomputes_with_them():
     _assert_same_function(Ensemble, ["net.blocks"], torch.randn(6, WIDTH))
+
+
+class ScriptedInside(nn.Module):
+    """An eager block whose MLP is a TorchScript module (torch.jit.script)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.mlp = torch.jit.script(nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(),
+                                                  nn.Linear(2 * WIDTH, WIDTH)))
+
+    def forward(self, x):
+        return x + self.mlp(torch.tanh(self.fc(x)))
+
+
+def test_torchscript_inside_an_eager_unit_recomputes():
+    """The replay runs a scripted submodule to its end (torch's early stop, raised inside
+    the TorchScript interpreter, came back as an empty RuntimeError at the first backward)."""
+    _assert_same_function(lambda: Chain(ScriptedInside), ["blocks"], torch.randn(6, WIDTH))
+
+
+def test_a_scripted_chain_member_is_refused_naming_it():
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH),
+                          nn.Sequential(torch.jit.script(Residual()), Residual()))
+    for name, overrides in RECOMPUTING:
+        with pytest.raises(StageError) as err:
+            build_strategy(name, **overrides).apply(model, ["1"])
+        assert "'1.0'" in str(err.value) and "TorchScript" in str(err.value), name

@@ -270,8 +270,12 @@ class _StateGuard:
         # the parameters and buffers the call runs with (functional_call swaps in others
         # and restores the module's own before backward): references, no copies
         self.tensors: list[tuple[dict, str, Any]] = []
+        self.scripted = False  # the unit runs TorchScript modules
         seen: dict[int, torch.Generator] = {id(g): g for g in generators}
         for m in module.modules():
+            if isinstance(m, torch.jit.ScriptModule):
+                self.scripted = True
+                continue  # its state lives in TorchScript's tables (no functional_call)
             if isinstance(m, _NormBase) and m.track_running_stats and m.training:
                 self.norms.append(m)
             self.tensors.extend((m._parameters, name, p) for name, p in m._parameters.items())
@@ -548,6 +552,10 @@ class Region:
         self.tape.calls.append(_Call(wrap.path, forward, spec, sources, torch.get_rng_state(),
                                      device_type, devices, device_rng,
                                      _autocast_state(device_type), guard))
+        if guard.scripted:
+            # torch's early stop ends a recompute by raising inside it; the TorchScript
+            # interpreter turns that into an empty RuntimeError, so run the replay through
+            self.frame.early_stop = False
         with _ckpt._checkpoint_hook(self.frame), self.forward_ctx:
             out = forward(*args, **kwargs)
         self.frame.forward_completed = True
@@ -639,7 +647,8 @@ def _public_checkpoint(strategy: Any, module: nn.Module, wrap: Any,
                                       else (contextlib.nullcontext(), contextlib.nullcontext()))
         return forward_ctx, replaying(recompute_ctx)
 
-    out = _checkpoint_call(forward, args, kwargs, contexts)
+    with _ckpt.set_checkpoint_early_stop(not guard.scripted):
+        out = _checkpoint_call(forward, args, kwargs, contexts)
     guard.finish()
     return out
 

@@ -148,8 +148,14 @@ def install(module: nn.Module, wrap: Wrap) -> Wrap:
 
     Raises:
         StageError: ``module`` already carries a wrap (the same module listed twice, e.g. a
-            block shared by two chains).
+            block shared by two chains), or a forward-changing wrap is put on a TorchScript
+            module.
     """
+    if wrap.runner is not None and isinstance(module, torch.jit.ScriptModule):
+        raise StageError(
+            f"module '{wrap.path}' is a TorchScript module (torch.jit.script/trace): its "
+            "forward cannot be wrapped. Wrap the eager module (script after training, or "
+            "script only modules inside a stage's blocks), or leave it out of model.stages")
     existing = module.__dict__.get(WRAP_ATTR)
     if existing is not None:
         raise StageError(

@@ -28,6 +28,7 @@ from remat.callbacks import LastCheckpoint, write_json
 from remat.callbacks.run_dir import secondary_rank
 from remat.callbacks.summary import read_summary
 from remat.models.checks import check_sharded_resume, read_checkpoint
+from remat.models.fsdp import recover_swapped_checkpoints
 from remat.run_config import (
     attempt_dir,
     find_run_dir,
@@ -108,6 +109,8 @@ def resolve_last(cfg: DictConfig) -> str | None:
     for conf in (cfg.get("callbacks") or {}).values():
         if isinstance(conf, DictConfig) and conf.get("dirpath"):
             folders.add(Path(str(conf.dirpath)))
+    for folder in folders:
+        recover_swapped_checkpoints(folder)
     found = [p for folder in folders if folder.is_dir() for p in folder.iterdir()
              if _LAST.match(p.name)]
     return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
@@ -131,6 +134,8 @@ def checkpoint_to_resume(cfg: DictConfig) -> tuple[Any, dict[str, Any] | None]:
             ckpt_path = resolved
     if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
         return ckpt_path, None
+    if not Path(str(ckpt_path)).exists():
+        recover_swapped_checkpoints(Path(str(ckpt_path)).parent)
     check_sharded_resume(ckpt_path, run_shape.trains_sharded(cfg))
     return ckpt_path, read_checkpoint(ckpt_path)
 

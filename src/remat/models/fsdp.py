@@ -11,16 +11,56 @@ that keeps both working). :class:`FSDP2Strategy` adds two things to it:
   tensor-parallel one, which remat does not use);
 - sharded checkpoints written atomically: the shards go to a hidden folder beside
   ``last.ckpt`` that replaces the previous folder only once every rank has written, so a
-  run killed while saving keeps its previous checkpoint.
+  run killed while saving keeps its previous checkpoint; one killed between the swap's two
+  renames is put right by :func:`recover_swapped_checkpoints` when the run starts again.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy
+
+log = logging.getLogger(__name__)
+
+
+def _swap_names(path: Path) -> tuple[Path, Path]:
+    """The staging and previous-copy folders of the sharded checkpoint ``path``."""
+    return path.with_name(f".{path.name}.writing"), path.with_name(f".{path.name}.old")
+
+
+def recover_swapped_checkpoints(folder: str | Path) -> list[Path]:
+    """Finish a sharded-checkpoint swap a kill interrupted, in ``folder``.
+
+    :meth:`FSDP2Strategy.save_checkpoint` renames ``last.ckpt`` to ``.last.ckpt.old``, then
+    the fully written ``.last.ckpt.writing`` to ``last.ckpt``; a run killed between the two
+    renames has no ``last.ckpt``. The newer copy (``.writing``, complete once the old one was
+    moved aside) is renamed to the checkpoint's name, else the previous one (``.old``); a
+    stale ``.old`` beside its checkpoint is removed.
+
+    Returns:
+        the checkpoint paths restored (each logged).
+    """
+    folder = Path(folder)
+    restored: list[Path] = []
+    if not folder.is_dir():
+        return restored
+    for old in sorted(folder.glob(".*.old")):
+        path = folder / old.name[1:-len(".old")]
+        staging, _ = _swap_names(path)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        source = staging if staging.is_dir() else old
+        source.rename(path)
+        log.warning("%s was missing (a run stopped while swapping in a sharded checkpoint): "
+                    "restored it from %s", path, source.name)
+        shutil.rmtree(old, ignore_errors=True)
+        restored.append(path)
+    return restored
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -69,8 +109,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
-        staging = path.with_name(f".{path.name}.writing")
-        old = path.with_name(f".{path.name}.old")
+        staging, old = _swap_names(path)
         if self.global_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         self.barrier("remat_ckpt_staging")

@@ -185,6 +185,53 @@ def _args(command: str, fill: dict[str, str]) -> list[str]:
     return words[2:] if words[:2] == ["python", "train.py"] else words[3:]
 
 
+def _layout(root: Path, line: str) -> int:
+    """Write the tiny folder a README ``data=folder`` line reads; returns its pair count."""
+    n = 4
+    if "mask_encoding=palette" in line:
+        write_folder(root, n=n, encoding="palette", classes=3)
+    elif "data.threshold=128" in line:
+        write_folder(root, n=n, encoding="255", mask_suffix=".jpg")  # JPEG noise in the masks
+    elif "data.images=images/*.tif" in line:
+        write_folder(root, n=n, encoding="255", image_suffix=".tif")
+        (root / "labels").mkdir()
+        for mask in sorted((root / "masks").iterdir()):
+            mask.rename(root / "labels" / f"{mask.stem}_mask.png")
+        (root / "masks").rmdir()
+    elif "data.pairs=" in line:
+        write_folder(root / "files", n=n, encoding="255")
+        rows = [f"files/images/case{i}.png,files/masks/case{i}.png" for i in range(n)]
+        (root / "pairs.csv").write_text("image,mask\n" + "\n".join(rows) + "\n")
+    else:
+        write_folder(root, n=n, encoding="255")
+    return n
+
+
+def test_the_readme_data_folder_lines_find_their_pairs(tmp_path, monkeypatch):
+    """Each ``data=folder`` line of the README, on the layout it describes (relative roots
+    from the working folder, as a user types them): every pair found, the data check passed,
+    the classes as the line says."""
+    from hydra.utils import instantiate
+
+    from tests.helpers import compose_train
+
+    lines = [_one_line(c) for c in readme_commands()
+             if _one_line(c).startswith("python train.py data=folder")]
+    assert len(lines) >= 5, lines
+    for number, line in enumerate(lines):
+        folder = tmp_path / str(number)
+        args = _args(line, {})
+        root = folder / next(a.split("=", 1)[1] for a in args if a.startswith("data.root="))
+        pairs = _layout(root, line)
+        monkeypatch.chdir(folder)
+        cfg = compose_train(folder / "run", [*args, "data.patch_size=16"])
+        dm = instantiate(cfg.data)
+        dm.setup("fit")
+        assert len(dm.pairs) == pairs, line
+        assert dm.num_classes == (3 if "num_classes=3" in line else 1), line
+        assert cfg.model.num_classes == dm.num_classes, line
+
+
 FOLDER_TINY = ["data.patch_size=32", "data.batch_size=2", "trainer.max_epochs=1",
                "trainer.accelerator=cpu", "callbacks=minimal", "trainer.enable_progress_bar=false",
                "trainer.enable_model_summary=false"]

@@ -43,7 +43,8 @@ PAGES: dict[str, tuple[str, str, list[str]]] = {
         "Long sequences",
         "How activation memory grows with context length and what each strategy buys, on "
         "remat's GPT, a Hugging Face Llama, and a short character-level training run.",
-        ["bench_gpt_tiny_sequence_sweep", "bench_hf_llama", "train_shakespeare_gpt"],
+        ["bench_gpt_tiny_sequence_sweep", "bench_hf_llama", "train_shakespeare_gpt",
+         "train_shakespeare_llama"],
     ),
     "compile": (
         "Under torch.compile",
@@ -59,7 +60,7 @@ PAGES: dict[str, tuple[str, str, list[str]]] = {
         "strategy at the same budgets: does the plan fit, is its prediction right, and does "
         "it recompute less than the fixed strategies that fit?",
         ["plan_acceptance_summary", "plan_acceptance_unet_r34", "plan_acceptance_fpn_r18",
-         "plan_acceptance_gpt_small"],
+         "plan_acceptance_gpt_small", "plans_for_gpus_from_a_cpu"],
     ),
     "scale-out": (
         "Per-rank memory under FSDP2",
@@ -71,7 +72,7 @@ PAGES: dict[str, tuple[str, str, list[str]]] = {
         "Short runs from random initialisation on a CPU: they show the pipeline learning, not "
         "the published scores (those used pretrained encoders, full schedules and GPUs).",
         ["train_isbi2012_unet", "train_dubai_aerial_unet", "train_kvasir_unet",
-         "eval_kvasir_unet_sizes"],
+         "eval_kvasir_unet_sizes", "train_kvasir_swinunetr"],
     ),
 }
 

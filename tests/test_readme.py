@@ -147,8 +147,7 @@ def test_the_readme_is_a_short_user_page():
     folders, issue numbers or machine load (those belong nowhere in user docs)."""
     text = README.read_text()
     assert len(text.splitlines()) <= 200
-    assert "make test" in readme_commands()[0] or any(
-        c.startswith("make test") for c in readme_commands())
+    assert any(c.split("#")[0].split() == ["make", "test"] for c in readme_commands())
     for page in doc_pages():
         body = page.read_text()
         for pattern in (r"\b20\d\d-\d\d-\d\d\b", r"\bissue \d+", r"load average",

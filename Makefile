@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 export REMAT_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: venv train test test-all lint clean
+.PHONY: venv train test test-all lint docs clean
 
 venv: $(STAMP)
 
@@ -28,5 +29,14 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check src tests train.py
 
+# The docs extra (Sphinx, MyST-Parser, Furo) goes into the same .venv, once per pyproject.toml.
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -e ".[dev,docs]"
+	touch $(DOCS_STAMP)
+
+# Warnings are errors: a broken link, a bad docstring or a page outside the toctree fails.
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+
 clean:
-	rm -rf outputs multirun .pytest_cache
+	rm -rf outputs multirun .pytest_cache docs/_build

@@ -43,24 +43,3 @@ def test_config_and_build_strategy_make_the_same_object(path):
 def test_bad_arguments_name_the_strategy():
     with pytest.raises(ValueError, match="strategy 'sqrtn' does not take"):
         build_strategy("sqrtn", k=3)
-
-
-def test_fixed_points_and_reference_rows_come_from_the_registry():
-    from remat.strategies import (
-        COMPILED_REFERENCES,
-        FIXED_POINTS,
-        REFERENCES,
-        HFGradientCheckpointing,
-        TimmNative,
-        TorchCheckpointSequential,
-        TorchCompileMemoryBudget,
-    )
-
-    assert {name for _, name, _ in FIXED_POINTS} <= set(STRATEGIES)
-    assert list(REFERENCES) == ["torch_checkpoint_sequential", "timm_set_grad_checkpointing",
-                                "hf_gradient_checkpointing"]
-    assert list(REFERENCES.values()) == [TorchCheckpointSequential, TimmNative,
-                                         HFGradientCheckpointing]
-    assert COMPILED_REFERENCES == {"torch_compile_budget": TorchCompileMemoryBudget}
-    # reference rows have no training config: their labels are not registry names
-    assert not set(REFERENCES) & set(STRATEGIES) and not set(COMPILED_REFERENCES) & set(STRATEGIES)

@@ -33,9 +33,8 @@ from pathlib import Path
 import torch
 from plan_acceptance import gradients  # scripts/, beside this file
 
-from remat.bench import ProfilerPeakMemory
 from remat.build import build_from_config
-from remat.measure import format_bytes
+from remat.measure import ProfilerPeakMemory, format_bytes
 from remat.measure.parity import TOLERANCES, compare_gradients
 from remat.measure.step import autocast
 from remat.measure.trace import optimizer_of, optimizer_steps, sized_batch

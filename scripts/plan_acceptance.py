@@ -25,17 +25,16 @@ from pathlib import Path
 
 import torch
 
-from remat.bench import ProfilerPeakMemory
 from remat.build import build_from_config
-from remat.measure import format_bytes
+from remat.measure import ProfilerPeakMemory, format_bytes
 from remat.measure.parity import compare_gradients, gradients_of
 from remat.measure.step import autocast
 from remat.measure.trace import optimizer_of, optimizer_steps, sized_batch
 from remat.planner import InfeasibleBudget, Planner, PlanStrategy
-from remat.strategies import NoCheckpoint, build_strategy
+from remat.strategies import FIXED_POINTS, NoCheckpoint, build_strategy
 
-FIXED = (("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}), ("every_k", {"k": 4}),
-         ("selective", {"policy": "matmul"}))
+# the planner's fixed points but none (the reference): full, sqrtn, every_k 2/4, selective
+FIXED = tuple((name, kwargs) for _, name, kwargs in FIXED_POINTS if name != "none")
 
 
 def allocator_peak(build, strategy, batch_size, size, precision) -> int:

@@ -9,21 +9,17 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import remat.bench as bench_module
-from remat.bench import (
-    DeviceSlot,
-    HFGradientCheckpointing,
-    ProfilerPeakMemory,
-    TorchCheckpointSequential,
-    _sizes,
-    _step,
-    bench,
-    format_table,
-    run_benchmark,
-)
-from remat.measure import PeakMemory
+import remat.benchmarking as bench_module
+from remat.bench import _sizes, bench
+from remat.benchmarking import _step, format_table, run_benchmark
+from remat.measure import DeviceSlot, PeakMemory, ProfilerPeakMemory
 from remat.models import SegmentationModule, SequenceModule
-from remat.strategies import StageError, build_strategy
+from remat.strategies import (
+    HFGradientCheckpointing,
+    StageError,
+    TorchCheckpointSequential,
+    build_strategy,
+)
 from tests.helpers import compose_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from remat.eval import PerImageMetrics, evaluate
+from remat.callbacks import PerImageMetrics
+from remat.eval import evaluate
 from remat.models import SegmentationModule
 from remat.train import train
 from tests.helpers import TINY, TINY_TRAINER, compose_app, compose_train

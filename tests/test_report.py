@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from remat.report import collect, report
+from remat.reporting import collect, report
 from tests.helpers import run_python
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from remat.report import collect
+from remat.reporting import collect
 from remat.train import train
 from tests.helpers import TINY_TRAINER, compose_train
 

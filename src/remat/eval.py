@@ -24,15 +24,10 @@ What is scored, and how:
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
-import math
-import re
 import sys
 import time
-import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +37,20 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from remat import run_shape
+from remat.callbacks import PerImageMetrics
 from remat.config import config_dir
-from remat.data.sizes import same_size
 from remat.errors import mark_in_loop, run_entry
+from remat.evaluation import (
+    SPLITS,
+    compare_with_references,
+    eval_config,
+    eval_shape,
+    finite_or_none,
+    print_reference_table,
+    resolution_of,
+    size_settings,
+    warn_on_size_mismatch,
+)
 from remat.models import SegmentationModule
 from remat.models.checks import (
     check_checkpoint_fits,
@@ -54,242 +59,9 @@ from remat.models.checks import (
     read_checkpoint,
     sharded_weights,
 )
-from remat.models.metrics import SegmentationMetrics
-from remat.run_config import apply_run_config, run_config_path, run_group_args
+from remat.run_config import run_config_path, run_group_args
 
 log = logging.getLogger(__name__)
-
-SPLITS = ("val", "test", "all")
-# Top-level keys an evaluation takes from the run's config.yaml.
-RUN_KEYS = ("data", "model", "precision", "seed", "task_name", "reference", "group_by",
-            "monitor", "monitor_mode")
-# Size settings compared between the run and its evaluation (pixels; a side or [h, w]).
-SIZE_KEYS = ("data.image_size", "data.patch_size", "model.inference.patch_size")
-
-
-# ----------------------------------------------------------------------------- config
-
-
-def eval_config(cfg: DictConfig, run: DictConfig | None, run_path: Path | None = None
-                ) -> DictConfig:
-    """The config to evaluate with: the :data:`RUN_KEYS` of the run's ``config.yaml`` under
-    the command line's overrides (:func:`remat.run_config.apply_run_config`)."""
-    return apply_run_config(cfg, run, run_path, RUN_KEYS)
-
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
-def size_settings(cfg: DictConfig) -> dict[str, Any]:
-    """``{key: value or None}`` of the :data:`SIZE_KEYS` of a config (a side or ``[h, w]``,
-    pixels)."""
-    return {key: _plain(OmegaConf.select(cfg, key, default=None)) for key in SIZE_KEYS}
-
-
-def eval_shape(cfg: DictConfig) -> dict[str, Any]:
-    """Size settings (pixels), precision and devices of an evaluation (precision checked by
-    :func:`remat.run_shape.check_precision`, as for training).
-
-    Returns ``{"sizes": {key: value or None for SIZE_KEYS}, "precision": str,
-    "accelerator": str, "devices": int | list | str}``.
-
-    Raises:
-        ValueError: ``trainer.devices`` other than one device (per-image rows and pooled
-            metrics need every image exactly once; a DistributedSampler pads splits).
-    """
-    devices = _plain(cfg.trainer.get("devices", 1))
-    if not (devices == 1 or (isinstance(devices, list) and len(devices) == 1)):
-        raise ValueError(f"remat.eval scores on one device; got trainer.devices={devices} "
-                         "(use trainer.devices=1, or trainer.devices=[<index>] for one GPU)")
-    return {
-        "sizes": size_settings(cfg),
-        "precision": run_shape.check_precision(cfg.get("precision"),
-                                               cfg.trainer.get("accelerator", "auto")),
-        "accelerator": str(cfg.trainer.get("accelerator", "auto")),
-        "devices": devices,
-    }
-
-
-def warn_on_size_mismatch(ours: Mapping[str, Any], trained: Mapping[str, Any],
-                          run_path: Path) -> list[str]:
-    """Warn (``UserWarning``) for every size setting that differs from the run's; returns the
-    messages. ``128`` and ``[128, 128]`` count as the same size."""
-    messages = [f"{key}={ours.get(key)} but the run trained with {key}={trained.get(key)} "
-                f"({run_path}); scores at another size than the run's differ from its own"
-                for key in SIZE_KEYS if not same_size(ours.get(key), trained.get(key))]
-    for message in messages:
-        warnings.warn(message, UserWarning, stacklevel=2)
-    return messages
-
-
-# ----------------------------------------------------------------------------- callback
-
-
-def _group(pattern: re.Pattern[str], name: str) -> str:
-    match = pattern.search(name)
-    if match is None or not match.groups():
-        raise ValueError(f"group_by={pattern.pattern!r} does not match image {name!r}: expected "
-                         "a regex whose first group names the image's group, e.g. ^(\\D+)\\d+$")
-    return match.group(1)
-
-
-class PerImageMetrics(L.Callback):
-    """Score every image of a validation or test run on its own; write ``per_image.csv``.
-
-    For each image of the split: ``name``, ``height``, ``width`` (pixels), ``group`` (with
-    ``group_by``) and every metric of the module's set (``model.metrics``) computed on that
-    image alone (:meth:`remat.models.metrics.SegmentationMetrics.score_one`). With
-    ``group_by`` (a regex whose first group names an image's group, e.g. the city of an Inria
-    tile ``austin3``), :attr:`groups` also pools the metrics over each group's pixels.
-
-    Predictions come from the step's outputs when it returns ``{"preds": [B, H, W],
-    "target": [B, H, W]}``; otherwise from the module's ``evaluate_batch`` (see
-    :class:`remat.models.SegmentationModule`), recorded while the callback is attached.
-    Sanity-check batches are skipped; each validation epoch starts a new table, and the file
-    is written at the end of each run.
-
-    Args:
-        path: the CSV file to write.
-        group_by: the regex, or None.
-
-    Raises:
-        ValueError: ``group_by`` does not match an image name; a module that gives no
-            predictions (neither outputs nor ``evaluate_batch``).
-    """
-
-    def __init__(self, path: str | Path, group_by: str | None = None) -> None:
-        self.path = Path(path)
-        self.pattern = re.compile(group_by) if group_by else None
-        self.rows: list[dict[str, Any]] = []
-        self.groups: dict[str, SegmentationMetrics] = {}
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        evaluate_batch = getattr(pl_module, "evaluate_batch", None)
-        if evaluate_batch is None:
-            return
-
-        def recording(batch: dict[str, Any], stage: str = "val") -> Any:
-            result = evaluate_batch(batch, stage)
-            self._last = (result[1], result[2])
-            return result
-
-        pl_module.evaluate_batch = recording
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        pl_module.__dict__.pop("evaluate_batch", None)  # back to the class's method
-
-    def _reset(self) -> None:
-        self.rows, self.groups = [], {}
-
-    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._reset()
-
-    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._reset()
-
-    def _predictions(self, pl_module: L.LightningModule, outputs: Any
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(outputs, Mapping) and "preds" in outputs and "target" in outputs:
-            return outputs["preds"], outputs["target"]
-        if self._last is None:
-            raise ValueError(f"{type(pl_module).__name__} gives PerImageMetrics no predictions: "
-                             "its step returns no {'preds', 'target'} and it has no "
-                             "evaluate_batch")
-        last, self._last = self._last, None
-        return last
-
-    def _score(self, stage: str, trainer: L.Trainer, pl_module: L.LightningModule,
-               outputs: Any, batch: dict[str, Any]) -> None:
-        if trainer.sanity_checking:
-            self._last = None
-            return
-        preds, target = self._predictions(pl_module, outputs)
-        metrics: SegmentationMetrics = pl_module.metrics[stage]
-        names = batch.get("name") or [f"{len(self.rows) + i:05d}" for i in range(len(preds))]
-        for i, name in enumerate(names):
-            one_pred, one_target = preds[i:i + 1], target[i:i + 1]
-            row: dict[str, Any] = {"name": name, "height": int(target.shape[-2]),
-                                   "width": int(target.shape[-1])}
-            if self.pattern is not None:
-                group = row["group"] = _group(self.pattern, name)
-                if group not in self.groups:
-                    self.groups[group] = SegmentationMetrics(
-                        metrics.kind, metrics.num_classes, metrics.ignore_index,
-                        metrics.class_names).to(one_pred.device)
-                self.groups[group].update(one_pred, one_target)
-            self.rows.append({**row, **metrics.score_one(one_pred, one_target)})
-
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                                outputs: Any, batch: Any, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
-        self._score("val", trainer, pl_module, outputs, batch)
-
-    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                          outputs: Any, batch: Any, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
-        self._score("test", trainer, pl_module, outputs, batch)
-
-    def write(self) -> None:
-        """Write the rows scored so far (nothing when there are none)."""
-        if not self.rows:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(self.rows[0]))
-            writer.writeheader()
-            writer.writerows(self.rows)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self.write()
-
-    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.write()
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def compare_with_references(metrics: dict[str, float | None],
-                            references: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each ``reference:`` entry with ``ours`` added: our value of the same metric.
-
-    ``metric`` names like ``val/dice`` match our ``dice`` on whichever split was scored;
-    ``ours`` is None when we do not compute that metric.
-    """
-    rows = []
-    for ref in references:
-        name = str(ref.get("metric", "")).split("/", 1)[-1]
-        rows.append({**ref, "ours": metrics.get(name)})
-    return rows
-
-
-def _print_table(title: str, rows: list[dict[str, Any]], metrics: dict[str, float | None]
-                 ) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for column in ("metric", "ours", "published", "model", "source"):
-        table.add_column(column)
-    listed = set()
-    for row in rows:
-        ours, value = row["ours"], row.get("value")
-        table.add_row(str(row.get("metric")), "-" if ours is None else f"{ours:.4f}",
-                      "not verified" if value is None else f"{value:.4f}",
-                      str(row.get("model", "")), str(row.get("source", "")))
-        listed.add(str(row.get("metric", "")).split("/", 1)[-1])
-    for name, value in metrics.items():
-        if name not in listed:
-            table.add_row(name, "-" if value is None else f"{value:.4f}", "", "", "")
-    Console().print(table)
-
-
-def _finite(value: Any) -> float | None:
-    value = float(value)
-    return value if math.isfinite(value) else None
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -374,7 +146,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"the {split} split of data._target_={cfg.data.get('_target_')} "
                          "holds no images")
     prefix = "test/" if split == "test" else "val/"
-    overall = {k[len(prefix):]: _finite(v) for k, v in logged[0].items() if k.startswith(prefix)}
+    overall = {k[len(prefix):]: finite_or_none(v) for k, v in logged[0].items()
+               if k.startswith(prefix)}
     reference = cfg.get("reference")
     references = [] if reference is None else OmegaConf.to_container(reference, resolve=True)
     result = {
@@ -385,7 +158,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "num_images": len(writer.rows),
         "metrics": {prefix + k: v for k, v in overall.items()},
         "reference": compare_with_references(overall, list(references)),
-        "groups": {g: {prefix + k: _finite(v) for k, v in m.compute().items()}
+        "groups": {g: {prefix + k: finite_or_none(v) for k, v in m.compute().items()}
                    for g, m in sorted(writer.groups.items())},
         "sizes": shape["sizes"],
         "resolution": resolution_of(datamodule),
@@ -395,23 +168,13 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         "torch_version": torch.__version__,
     }
     (out / "metrics.json").write_text(json.dumps(result, indent=2))
-    _print_table(f"{cfg.get('task_name')}: {split} split, {len(writer.rows)} images, scored "
-                 f"at {result['resolution']}", result["reference"], overall)
+    print_reference_table(f"{cfg.get('task_name')}: {split} split, {len(writer.rows)} images, "
+                          f"scored at {result['resolution']}", result["reference"], overall)
     for group, values in result["groups"].items():
         log.info("group %s: %s", group, ", ".join(
             f"{k}={v:.4f}" for k, v in values.items() if v is not None))
     log.info("per-image and overall metrics written to %s", out)
     return result
-
-
-def resolution_of(datamodule: Any) -> str:
-    """``"native resolution"`` where the evaluation images are served whole at their own
-    size, else ``"<h>x<w> px (resized)"`` (datamodules that resize, as Kvasir-SEG's)."""
-    size = getattr(datamodule, "image_size", None)
-    if getattr(datamodule, "resizes_for_eval", False) and size is not None:
-        height, width = size if isinstance(size, tuple | list) else (size, size)
-        return f"{height}x{width} px (resized)"
-    return "native resolution"
 
 
 def _app(cfg: DictConfig) -> None:

@@ -4,13 +4,15 @@ last checkpoint, resume state) and the Hydra callbacks of the entry points.
 Lightning callbacks: :class:`PeakMemoryMonitor`, :class:`StepTimeMonitor`,
 :class:`RunReport` (strategy report and memory estimate at start), :class:`RunSummary`
 (``summary.json``), :class:`MonitorCheck`, :class:`LastCheckpoint` (``last.ckpt`` and
-signals), :class:`ResumeState` (RNG and loader position); the checkpoint writer plugin
-:class:`AtomicCheckpointIO`. Hydra callbacks: :class:`RunDirLock`, :class:`SweepReport`.
+signals), :class:`ResumeState` (RNG and loader position), :class:`PerImageMetrics`
+(``per_image.csv`` of ``remat.eval``); the checkpoint writer plugin :class:`AtomicCheckpointIO`.
+Hydra callbacks: :class:`RunDirLock`, :class:`SweepReport`.
 """
 
 from remat.callbacks.checkpoint import AtomicCheckpointIO, LastCheckpoint
 from remat.callbacks.memory import PeakMemoryMonitor
 from remat.callbacks.monitor import MonitorCheck
+from remat.callbacks.per_image import PerImageMetrics
 from remat.callbacks.report import RunReport
 from remat.callbacks.resume import ResumeState
 from remat.callbacks.run_dir import RunDirInUse, RunDirLock, claim_run_dir, release_run_dir
@@ -23,6 +25,7 @@ __all__ = [
     "LastCheckpoint",
     "MonitorCheck",
     "PeakMemoryMonitor",
+    "PerImageMetrics",
     "ResumeState",
     "RunDirInUse",
     "RunDirLock",

@@ -1,4 +1,4 @@
-"""Hydra callback that writes the sweep report (:mod:`remat.report`) of a multirun."""
+"""Hydra callback that writes the sweep report (:mod:`remat.reporting`) of a multirun."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class SweepReport(Callback):
     fail the sweep."""
 
     def _write(self, config: DictConfig, final: bool) -> None:
-        from remat.report import report
+        from remat.reporting import report
 
         root = OmegaConf.select(config, "hydra.sweep.dir", default=None)
         if not root:

@@ -1,5 +1,6 @@
 """Measurement shared by callbacks, benchmarks and tests (no Lightning imports here)."""
 
+from remat.measure.device_slot import DeviceSlot
 from remat.measure.memory import (
     CATEGORIES,
     PeakMemory,
@@ -8,14 +9,17 @@ from remat.measure.memory import (
     format_bytes,
 )
 from remat.measure.parity import TOLERANCES, GradientParity, compare_gradients, gradients_of
+from remat.measure.profiler import ProfilerPeakMemory
 from remat.measure.step import autocast, step_peak_memory, training_step
 from remat.measure.timing import StepTimer, synchronize
 
 __all__ = [
     "CATEGORIES",
     "TOLERANCES",
+    "DeviceSlot",
     "GradientParity",
     "PeakMemory",
+    "ProfilerPeakMemory",
     "StepTimer",
     "allocation_levels",
     "autocast",

@@ -8,17 +8,12 @@ decoder layers (``model.layers`` for Llama, ``transformer.h`` for GPT-2).
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
+from remat.strategies.references import is_hf_model
 
-def is_hf_model(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``transformers.PreTrainedModel`` (False when transformers was
-    never imported: then no module can be one)."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+__all__ = ["causal_lm_logits", "config_vocab_size", "is_hf_model"]
 
 
 def config_vocab_size(net: nn.Module) -> int | None:

@@ -34,10 +34,10 @@ from remat.measure.trace import run_built, sized_batch
 from remat.planner.devices import DeviceSpec
 from remat.strategies.segmented import CHAIN_TYPES, chain_members
 from remat.strategies.selective import (
+    RegionPolicy,
     SelectiveCheckpoint,
-    _flops,
-    _RegionPolicy,
-    _storage_key,
+    op_flops,
+    storage_key,
 )
 
 
@@ -176,7 +176,7 @@ def _tensor_bytes(values: Any) -> dict[Any, int]:
     out: dict[Any, int] = {}
     for t in tree_flatten(values)[0]:
         if isinstance(t, torch.Tensor):
-            key = _storage_key(t)
+            key = storage_key(t)
             if key is not None:
                 out[key] = _nbytes(t)
     return out
@@ -212,7 +212,7 @@ class _Recorder(TorchDispatchMode):
         self.blocks: dict[str, BlockCost] = {}
         # block -> the preset's policy (None: the preset refuses the block) and, per op it
         # saw, (FLOPs, roofline s)
-        self.policies: dict[str, _RegionPolicy | None] = {}
+        self.policies: dict[str, RegionPolicy | None] = {}
         self.op_costs: dict[str, list[tuple[int, float]]] = {}
         self.alive: list[Any] = []
         self.step_flops = 0
@@ -226,7 +226,7 @@ class _Recorder(TorchDispatchMode):
             # ``prim.device`` of a fake tensor (asked by this profile's own hooks and by
             # Python code): metadata, no work, and no op a real run's policy sees
             return out
-        flops = _flops(func, args, kwargs, out)
+        flops = op_flops(func, args, kwargs, out)
         moved = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0]
                     if isinstance(t, torch.Tensor))
         seconds = max(flops / self.flops_rate, moved / self.bandwidth)
@@ -271,7 +271,7 @@ class _Recorder(TorchDispatchMode):
             value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
             for t in tree_flatten(value)[0]:
                 if isinstance(t, torch.Tensor):
-                    key = _storage_key(t)
+                    key = storage_key(t)
                     if key in cost.inputs:
                         cost.mutated[key] = cost.inputs[key]
 
@@ -285,7 +285,7 @@ class _Recorder(TorchDispatchMode):
     def selective_cost(self, cost: BlockCost) -> None:
         """Fill ``cost.selective_saved``, ``selective_flops`` and ``selective_time`` (its
         ``saved`` known) from what the preset's policy settles for the block
-        (:meth:`remat.strategies.selective._RegionPolicy.settle`): the outputs of the
+        (:meth:`remat.strategies.selective.RegionPolicy.settle`): the outputs of the
         matmul, convolution and SDPA ops it caches, whether autograd saves them or not
         (attention scores that feed a softmax), within the bytes autograd saves of the
         block's own tensors; its recompute is every other op but those whose outputs
@@ -379,12 +379,12 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
 
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(module.register_forward_hook(post, with_kwargs=True))
-        params = {_storage_key(p) for p in [*model.parameters(), *model.buffers()]}
+        params = {storage_key(p) for p in [*model.parameters(), *model.buffers()]}
         saved_by: dict[Any, tuple[str | None, int]] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             recorder.packed(t)
-            key = _storage_key(t)
+            key = storage_key(t)
             if key is not None and key not in params and key not in saved_by:
                 saved_by[key] = (recorder.stack[-1] if recorder.stack else None, _nbytes(t))
             return t

@@ -12,7 +12,18 @@ from remat.strategies.full import FullCheckpoint
 from remat.strategies.none import NoCheckpoint
 from remat.strategies.offload import OffloadCheckpoint
 from remat.strategies.recompute import RecomputeError, is_recomputing
-from remat.strategies.registry import FIXED_POINTS, STRATEGIES, build_strategy
+from remat.strategies.references import (
+    HFGradientCheckpointing,
+    TorchCheckpointSequential,
+    TorchCompileMemoryBudget,
+)
+from remat.strategies.registry import (
+    COMPILED_REFERENCES,
+    FIXED_POINTS,
+    REFERENCES,
+    STRATEGIES,
+    build_strategy,
+)
 from remat.strategies.segmented import RecomputeStrategy
 from remat.strategies.segments import balanced_segments, every_k_segments, sqrt_segments
 from remat.strategies.selective import SelectiveCheckpoint
@@ -22,13 +33,16 @@ from remat.strategies.timm_native import TimmNative
 from remat.strategies.wrapping import unwrap_all
 
 __all__ = [
+    "COMPILED_REFERENCES",
     "FIXED_POINTS",
+    "REFERENCES",
     "STRATEGIES",
     "STRATEGY_STATE_KEY",
     "CheckpointStrategy",
     "CompileBudget",
     "EveryK",
     "FullCheckpoint",
+    "HFGradientCheckpointing",
     "NoCheckpoint",
     "OffloadCheckpoint",
     "RecomputeError",
@@ -38,6 +52,8 @@ __all__ = [
     "StageError",
     "StrategyReport",
     "TimmNative",
+    "TorchCheckpointSequential",
+    "TorchCompileMemoryBudget",
     "balanced_segments",
     "build_strategy",
     "every_k_segments",

@@ -170,7 +170,7 @@ class _BudgetBackend:
             return self.compiler(gm, example_inputs, **self.kwargs)
 
 
-def _trampoline(forward: Callable) -> Callable:
+def trampoline(forward: Callable) -> Callable:
     """A function that runs ``forward`` (a module's own forward), with a code object of its
     own (dynamo keeps its compile cache on the code object)."""
 
@@ -275,7 +275,7 @@ class CompileBudget(CheckpointStrategy):
     def compile_module(self, forward: Callable, backend: Callable) -> Callable:
         """The compiled function that runs ``forward`` (a module's own) through ``backend``;
         compilation itself happens at its first call."""
-        return torch.compile(_trampoline(forward), backend=backend, dynamic=self.dynamic)
+        return torch.compile(trampoline(forward), backend=backend, dynamic=self.dynamic)
 
     def wrap_stage(self, path: str, module: nn.Module, report: StrategyReport) -> None:
         """Compile the stage in place (any module; each member of an ``nn.ModuleList`` or

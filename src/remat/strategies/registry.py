@@ -1,4 +1,5 @@
-"""Name -> strategy class, and :func:`build_strategy`, the Python twin of the Hydra group."""
+"""Name -> strategy class, and :func:`build_strategy`, the Python twin of the Hydra group;
+the fixed points a plan is compared against and the benchmark's reference rows."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from remat.strategies.every_k import EveryK
 from remat.strategies.full import FullCheckpoint
 from remat.strategies.none import NoCheckpoint
 from remat.strategies.offload import OffloadCheckpoint
+from remat.strategies.references import (
+    HFGradientCheckpointing,
+    TorchCheckpointSequential,
+    TorchCompileMemoryBudget,
+)
 from remat.strategies.selective import SelectiveCheckpoint
 from remat.strategies.sqrtn import SqrtN
 from remat.strategies.timm_native import TimmNative
@@ -25,6 +31,22 @@ FIXED_POINTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("none", "none", {}), ("full", "full", {}), ("sqrtn", "sqrtn", {}),
     ("every_k k=2", "every_k", {"k": 2}), ("every_k k=4", "every_k", {"k": 4}),
     ("selective matmul", "selective", {"policy": "matmul"}))
+
+#: Reference rows from outside remat that ``remat.bench`` measures beside the strategies
+#: where they apply to the stages (``reference_points=true``): row label -> class, in row
+#: order. Not in :data:`STRATEGIES`: they have no training config.
+REFERENCES: dict[str, type[CheckpointStrategy]] = {
+    TorchCheckpointSequential.name: TorchCheckpointSequential,
+    "timm_set_grad_checkpointing": TimmNative,
+    HFGradientCheckpointing.name: HFGradientCheckpointing,
+}
+
+#: Reference rows for ``remat.bench``'s ``compile_strategies`` only (compiled rows):
+#: name -> class, built with the entry's arguments (``{name: torch_compile_budget,
+#: memory_budget: 0.3}``).
+COMPILED_REFERENCES: dict[str, type[CheckpointStrategy]] = {
+    TorchCompileMemoryBudget.name: TorchCompileMemoryBudget,
+}
 
 
 def build_strategy(name: str, **overrides: Any) -> CheckpointStrategy:

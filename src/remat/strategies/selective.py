@@ -155,7 +155,7 @@ def resolve_ops(names: Sequence[str]) -> frozenset:
     return frozenset(resolved)
 
 
-def _storage_key(t) -> tuple | None:
+def storage_key(t) -> tuple | None:
     """Identity of the memory a tensor lives in (views share it); ``None`` if unknown."""
     if not isinstance(t, torch.Tensor):
         return None
@@ -187,7 +187,7 @@ def _is_random(op, args, kwargs) -> bool:
     return True
 
 
-def _is_backup_of_saved(policy: _RegionPolicy, args, kwargs) -> bool:
+def _is_backup_of_saved(policy: RegionPolicy, args, kwargs) -> bool:
     """Whether ``clone`` copies a whole saved tensor as it is (the backup autograd takes
     before an in-place op), not a part of it or into another layout (``.contiguous()``)."""
     t = args[0] if args else None
@@ -200,7 +200,7 @@ def _is_backup_of_saved(policy: _RegionPolicy, args, kwargs) -> bool:
 
 @dataclass(eq=False)
 class _Op:
-    """One op of a block's forward as the policy saw it (for :meth:`_RegionPolicy.finish`):
+    """One op of a block's forward as the policy saw it (for :meth:`RegionPolicy.finish`):
     where torch's SAC storage files its output, the storages it made, read and wrote, the
     shapes of its output (for a placeholder) and its FLOPs."""
 
@@ -216,7 +216,7 @@ class _Op:
     random: bool
 
 
-def _flops(op, args, kwargs, out) -> int:
+def op_flops(op, args, kwargs, out) -> int:
     """FLOPs of one op by torch's own formulas (``torch.utils.flop_counter``), 0 if none."""
     formula = _flop_registry.get(op.overloadpacket)
     if formula is None:
@@ -273,7 +273,7 @@ def _without(entry: Any, op: _Op, dead: set[tuple]) -> Any:
                            for leaf, m in zip(leaves, metas, strict=True)], spec)
 
 
-class _RegionPolicy:
+class RegionPolicy:
     """The policy function of one checkpointed block: per-op decisions of one forward.
 
     It tracks, per storage, whether the block saved or will recompute it, so that in-place
@@ -305,7 +305,7 @@ class _RegionPolicy:
     def key(self, t, new: bool = False) -> tuple | None:
         """Identity of the storage ``t`` lives in for this block's forward; ``new`` when an
         op has just made it (the address may have held an earlier, freed storage)."""
-        raw = _storage_key(t)
+        raw = storage_key(t)
         if raw is None:
             return None
         if new:
@@ -328,7 +328,7 @@ class _RegionPolicy:
                 for k in map(self.key, value) if k is not None]
         self.ops.append(_Op(key, index, decision is _SAVE, made, reads, writes,
                             _meta(out, self.key),
-                            _flops(op, args, kwargs, out),
+                            op_flops(op, args, kwargs, out),
                             any(r.alias_info is not None for r in op._schema.returns),
                             _is_random(op, args, kwargs)))
         return decision
@@ -500,7 +500,7 @@ def _sac_key(op, args) -> object:
 
 
 @contextlib.contextmanager
-def _record_packs(policy: _RegionPolicy) -> Iterator[None]:
+def _record_packs(policy: RegionPolicy) -> Iterator[None]:
     """Saved-tensor hooks pushed above the checkpoint's own: note which storages autograd
     saves (``policy.packed``), then hand each tensor to the hooks below (the checkpoint's),
     unchanged.
@@ -550,7 +550,7 @@ def _autocast_cache_off() -> Iterator[None]:
 class _Contexts:
     """A (forward, recompute) context pair for one block, each enterable more than once."""
 
-    def __init__(self, policy: _RegionPolicy, forward_mode, recompute_mode) -> None:
+    def __init__(self, policy: RegionPolicy, forward_mode, recompute_mode) -> None:
         self.policy = policy
         self.forward_mode = forward_mode
         self.recompute_mode = recompute_mode
@@ -577,7 +577,7 @@ class _Reenterable:
     """
 
     def __init__(self, factory: Callable[[], contextlib.AbstractContextManager],
-                 policy: _RegionPolicy | None = None) -> None:
+                 policy: RegionPolicy | None = None) -> None:
         self.factory = factory
         self.policy = policy
         self._active: list = []
@@ -674,9 +674,9 @@ class SelectiveCheckpoint(RecomputeStrategy):
         than recomputing it (the attention preset: outside the attention core)."""
         return self._saves(op, False)
 
-    def make_policy(self) -> _RegionPolicy:
+    def make_policy(self) -> RegionPolicy:
         """A fresh policy function for one checkpointed block (it keeps per-call state)."""
-        return _RegionPolicy(self._saves, follow_core=self.policy == "attention")
+        return RegionPolicy(self._saves, follow_core=self.policy == "attention")
 
     def checkpoint_contexts(self) -> tuple:
         """(forward, recompute) contexts of one checkpointed block: torch's

@@ -81,6 +81,14 @@ def _global_peak_tracker_class() -> type:
     from torch.utils._pytree import tree_flatten
     from torch.utils.weak import WeakIdKeyDictionary
 
+    class _NoHook:
+        """A removable-handle stand-in for a hook never installed."""
+
+        def remove(self) -> None:
+            pass
+
+    _NO_HOOK = _NoHook()
+
     class _GlobalPeakTracker(MemTracker):
         # kernel temporaries (remat.measure.kernels.KernelTemporaries) and the highest the
         # held tensors plus one operator's temporaries reached
@@ -104,6 +112,12 @@ def _global_peak_tracker_class() -> type:
             super().track_external(*external)
             for obj in external:
                 if isinstance(obj, nn.Module):
+                    # MemTracker hooks every parameter's gradient, and torch refuses a hook
+                    # on a frozen one (a LoRA base, a frozen encoder): mark those as hooked
+                    for param in obj.parameters():
+                        if not param.requires_grad:
+                            self._param_to_grad_hook_handles.setdefault(
+                                param, (_NO_HOOK, _NO_HOOK))
                     self._track_module_params_and_buffers(obj, install_grad_hooks=True)
 
         def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 (MemTracker's API)

@@ -64,6 +64,11 @@ def test_sharded_resume_on_2_processes_repeats_the_uninterrupted_run(runs, tmp_p
     sharding = json.loads((straight / "summary.json").read_text())["sharding"]
     assert sharding == {"units": [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]],
                         "world_size": 2, "reshard_after_forward": True}
+    # the run's measured peak is the highest rank's; each rank's is kept beside it
+    summary = json.loads((straight / "summary.json").read_text())
+    ranks = summary["peak_memory_per_rank_bytes"]
+    assert len(ranks) == 2 and all(isinstance(p, int) and p > 0 for p in ranks)
+    assert summary["peak_memory_bytes"] == max(ranks)
 
 
 def test_full_checkpoint_resumes_on_one_process_without_fsdp(runs, tmp_path,

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+#: Set to ``1``: a real-data test whose data is missing fails instead of being skipped.
+REQUIRE_DATA_ENV = "REMAT_REQUIRE_DATA"
+
 # The suite runs tiny models, where thread start-up costs more than it saves (notably on a
 # shared 2-core machine); subprocess tests set their own.
 torch.set_num_threads(1)
@@ -16,30 +19,37 @@ torch.set_num_threads(1)
 os.environ.setdefault("REMAT_CACHE_DIR", os.path.join(tempfile.gettempdir(), "remat-test-cache"))
 
 
+def missing_data(reason: str) -> None:
+    """A test that needs real data it cannot find: skipped with ``reason``, or failed when
+    ``$REMAT_REQUIRE_DATA=1`` (``.ci/run`` sets it: there a missing copy is a broken set-up,
+    never a reason to pass)."""
+    if os.environ.get(REQUIRE_DATA_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_DATA_ENV}=1)")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def remat_data_dir() -> Path:
-    """Root of the real datasets, from ``$REMAT_DATA_DIR``.
-
-    A missing variable or folder is a test failure, not a skip: CI (``.ci/run``) and
-    ``make test`` always set it, so its absence means the set-up is broken.
-    """
+    """Root of the real datasets, from ``$REMAT_DATA_DIR`` (unset or not a folder:
+    :func:`missing_data`)."""
     value = os.environ.get("REMAT_DATA_DIR")
     if not value:
-        pytest.fail("REMAT_DATA_DIR is not set; run the suite through `make test` or set it to "
-                    "the folder that holds Kvasir-SEG/, ISBI2012-EM-membrane/, ...")
+        missing_data("REMAT_DATA_DIR is not set: point it at the folder that holds "
+                     "Kvasir-SEG/, ISBI2012-EM-membrane/, ... to run the real-data tests")
     path = Path(value)
     if not path.is_dir():
-        pytest.fail(f"REMAT_DATA_DIR={value} is not a directory")
+        missing_data(f"REMAT_DATA_DIR={value} is not a directory")
     return path
 
 
 def _real_copy(remat_data_dir: Path, folder: str, *required: str) -> Path:
-    """``remat_data_dir/folder``, failing the test unless it holds every ``required`` folder."""
+    """``remat_data_dir/folder`` if it holds every ``required`` folder, else
+    :func:`missing_data`."""
     root = remat_data_dir / folder
     missing = [d for d in required if not (root / d).is_dir()]
     if missing:
-        pytest.fail(f"{folder} not found under {remat_data_dir} (expected "
-                    + ", ".join(f"{root / d}/" for d in required) + ")")
+        missing_data(f"{folder} not found under {remat_data_dir} (expected "
+                     + ", ".join(f"{root / d}/" for d in missing) + ")")
     return root
 
 
@@ -67,5 +77,5 @@ def shakespeare_root(remat_data_dir: Path) -> Path:
     """The real tiny Shakespeare copy (``tinyshakespeare/input.txt``)."""
     root = remat_data_dir / "tinyshakespeare"
     if not (root / "input.txt").is_file():
-        pytest.fail(f"tiny Shakespeare not found: {root / 'input.txt'}")
+        missing_data(f"tiny Shakespeare not found: {root / 'input.txt'}")
     return root

@@ -79,3 +79,18 @@ def shakespeare_root(remat_data_dir: Path) -> Path:
     if not (root / "input.txt").is_file():
         missing_data(f"tiny Shakespeare not found: {root / 'input.txt'}")
     return root
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (``make test``): the tests of a module that
+    defines a module- or session-scoped fixture (a training run several tests read) go to
+    one worker, so that the fixture is built once, not once per worker. A test marked
+    ``xdist_group`` already (the multi-process runs, ``"gloo"``) keeps its group."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        module = item.nodeid.split("::", 1)[0]
+        defs = item._fixtureinfo.name2fixturedefs.values()
+        if any(d[-1].scope != "function" and d[-1].baseid == module for d in defs):
+            item.add_marker(pytest.mark.xdist_group(module))

@@ -12,6 +12,8 @@ from torch.utils.data import default_collate
 from tests.ddp_script import make_module, make_windows
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
+# multi-process runs (gloo ports, 2 processes each) run one at a time under xdist
+pytestmark = pytest.mark.xdist_group("gloo")
 
 
 def _single_process_grads(strategy: str, samples: int) -> dict[str, torch.Tensor]:

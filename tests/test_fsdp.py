@@ -18,6 +18,8 @@ import torch
 from tests.fsdp_script import MEMORY_BATCH, STEPS, memory_module, run_case
 
 SCRIPT = Path(__file__).with_name("fsdp_script.py")
+# multi-process runs (gloo ports, 2 processes each) run one at a time under xdist
+pytestmark = pytest.mark.xdist_group("gloo")
 STRATEGIES = ["none", "full", "sqrtn", "every_k", "selective", "offload", "compile"]
 # compiled code is checked in fp32 without accumulation only: each compiled case costs the
 # launch a compile on both ranks (about 5 s), and accumulation and bf16 are the eager

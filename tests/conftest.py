@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -81,16 +83,76 @@ def shakespeare_root(remat_data_dir: Path) -> Path:
     return root
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``pytest -n N --dist loadgroup`` (``make test``): the tests of a module that
-    defines a module- or session-scoped fixture (a training run several tests read) go to
-    one worker, so that the fixture is built once, not once per worker. A test marked
-    ``xdist_group`` already (the multi-process runs, ``"gloo"``) keeps its group."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        module = item.nodeid.split("::", 1)[0]
-        defs = item._fixtureinfo.name2fixturedefs.values()
-        if any(d[-1].scope != "function" and d[-1].baseid == module for d in defs):
-            item.add_marker(pytest.mark.xdist_group(module))
+
+# --- pytest-xdist (`make test`: -n 2 --dist loadgroup) ---------------------------------------
+# xdist 3.8's loadgroup reads a test's group from an "@group" suffix it writes into the node
+# id, which pytest 9.2 no longer lets it write (pytest-dev/pytest-xdist#1386): every test
+# would go to any worker. The scheduler below keeps the two rules the suite needs, read from
+# each test module's source so that a new module follows them without a list to update:
+# - a module with `pytestmark = pytest.mark.xdist_group("<name>")` runs on one worker with
+#   every other module of that group ("gloo": the multi-process DDP/FSDP launches, whose
+#   ports and 2 processes each must not meet another launch);
+# - a module that defines a module-, class-, package- or session-scoped fixture runs on one
+#   worker, so that the fixture (a training run several tests read) is built once.
+# Every other test is scheduled alone, as `--dist load` does.
+_SHARED_SCOPES = {"module", "class", "package", "session"}
+
+
+def _decorator_call(node: ast.expr, name: str) -> ast.Call | None:
+    """``node`` if it is a call of ``pytest.<name>`` / ``pytest.mark.<name>`` / ``<name>``."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        if (isinstance(func, ast.Attribute) and func.attr == name) or (
+                isinstance(func, ast.Name) and func.id == name):
+            return node
+    return None
+
+
+def _string_arg(call: ast.Call, keyword: str) -> str | None:
+    values = [*call.args[:1], *(k.value for k in call.keywords if k.arg == keyword)]
+    for value in values:
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            return value.value
+    return None
+
+
+@functools.cache
+def module_group(path: str) -> str | None:
+    """The xdist work unit of every test of the module at ``path`` (relative to the rootdir),
+    or ``None`` when its tests are scheduled one by one (rules above)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    shared = False
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            call = _decorator_call(node.value, "xdist_group")
+            if call is not None and (name := _string_arg(call, "name")):
+                return name
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            for deco in node.decorator_list:
+                call = _decorator_call(deco, "fixture")
+                if call is not None and _string_arg(call, "scope") in _SHARED_SCOPES:
+                    shared = True
+    return path if shared else None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup``: xdist's group scheduler, with the groups of :func:`module_group`
+    (an ``@group`` suffix, should xdist write one again, still wins)."""
+    if config.getoption("dist", None) != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    root = config.rootpath
+
+    class ModuleGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):
+                return super()._split_scope(nodeid)
+            return module_group(str(root / nodeid.split("::", 1)[0])) or nodeid
+
+    return ModuleGroupScheduling(config, log)

@@ -19,10 +19,10 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
-# pytest-xdist workers; tests that share a module's fixture or
-# start multi-process runs keep to one worker (--dist loadgroup, tests/conftest.py)
+# pytest-xdist workers; tests that share a module's fixture or start multi-process runs keep
+# to one worker (--dist loadgroup in pyproject.toml, groups in tests/conftest.py)
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+XDIST := -n $(TEST_WORKERS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST) $(ARGS)

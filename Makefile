@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(XDIST) $(ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest $(XDIST) -m "" --timeout 900 $(ARGS)
+	$(PY) -m pytest $(XDIST) -m "" --timeout 1200 $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests train.py

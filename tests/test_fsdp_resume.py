@@ -23,6 +23,8 @@ from tests.fsdp_resume_script import overrides
 from tests.helpers import compose_train, logged, run_python, subprocess_env
 
 SCRIPT = Path(__file__).with_name("fsdp_resume_script.py")
+# multi-process runs (gloo ports, 2 processes each) run one at a time under xdist
+pytestmark = pytest.mark.xdist_group("gloo")
 
 
 @pytest.fixture(scope="module")

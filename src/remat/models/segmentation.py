@@ -66,9 +66,10 @@ def check_net_output(net: nn.Module, in_channels: int, num_classes: int) -> None
     if out.ndim != 4 or out.shape[1] != num_classes:
         got = tuple(out.shape)
         channels = out.shape[1] if out.ndim == 4 else None
-        fix = (f"set model.num_classes={channels} (data=folder: data.num_classes={channels}) "
-               f"or build the net with {num_classes} output channel(s)" if channels else
-               "return [B, C, H, W]")
+        fix = (f"build the net with {num_classes} output channel(s) (its out_channels or "
+               f"classes argument), or, if the masks hold {channels} classes, set "
+               f"model.num_classes={channels} (data=folder: data.num_classes={channels})"
+               if channels else "return [B, C, H, W]")
         raise ValueError(
             f"{name} returns logits of shape {got} for a [1, {in_channels}, {PROBE_SIZE}, "
             f"{PROBE_SIZE}] input, but model.num_classes={num_classes} (1 = binary) needs "

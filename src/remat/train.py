@@ -26,7 +26,7 @@ from remat.callbacks import RunSummary, failure_summary
 from remat.callbacks.run_dir import run_dir_claimed
 from remat.config import check_top_level, config_dir
 from remat.errors import mark_in_loop, run_entry
-from remat.models.checks import check_checkpoint_fits, check_model_fits_data
+from remat.models.checks import check_checkpoint_fits, check_model_fits_data, check_monitor
 from remat.planner import InfeasibleBudget, PlanInputError, PlanMismatch
 from remat.planner.run import plan_for_run, resumed_replay
 from remat.run_config import resume_args
@@ -95,6 +95,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
                 check_model_fits_data(model, datamodule, hydra_choice("model"),
                                       hydra_choice("data"))
+                check_monitor(cfg, model)
                 if ckpt is not None:
                     check_checkpoint_fits(model, ckpt, ckpt_path)
                     del ckpt  # Lightning reads the file again in fit, with the optimizer state

@@ -325,6 +325,22 @@ def test_training_on_a_folder_takes_the_classes_from_the_data_keys(tmp_path, enc
     assert 0.0 <= summary["metrics"][metric] <= 1.0
 
 
+def test_a_monitor_the_model_does_not_log_stops_the_run_before_lightning(tmp_path):
+    """3-class masks with train.yaml's monitor=val/dice: refused before the Trainer with the
+    key to use (it failed after the sanity check with a 40-line traceback)."""
+    write_folder(tmp_path / "data", n=4, encoding="palette", classes=3)
+    out = tmp_path / "run"
+    cfg = compose_train(out, [*TINY_TRAINER, "data=folder", f"data.root={tmp_path / 'data'}",
+                              "data.mask_encoding=palette", "data.num_classes=3",
+                              "data.patch_size=16", "data.batch_size=2"])
+    with pytest.raises(ValueError, match=r"monitor=val/dice is not among the metrics this "
+                                         r"model logs in validation \(val/loss, val/acc, val/miou, "
+                                         r".*\); set monitor=val/miou monitor_mode=max"):
+        train(cfg)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and "global_step" not in summary
+
+
 def test_a_folder_without_the_layout_says_what_it_expected(tmp_path):
     (tmp_path / "pictures").mkdir()
     with pytest.raises(FileNotFoundError, match=r"does not hold that layout\. Expected layout: "

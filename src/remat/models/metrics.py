@@ -152,6 +152,15 @@ class SegmentationMetrics(nn.Module):
                 out[name] = value.float().mean() if value.ndim else value.float()
         return out
 
+    def names(self) -> list[str]:
+        """The score names :meth:`compute` returns (``iou_<class name>`` per class)."""
+        out = [n for n in self.collection.keys() if n != "iou_class"]
+        if self.pooled is not None:
+            out += list(self.pooled.keys())
+        if "iou_class" in self.collection.keys():
+            out += [f"iou_{c}" for c in self.class_names]
+        return out
+
     def reset(self) -> None:
         """Forget every batch added so far."""
         self.collection.reset()

@@ -267,6 +267,11 @@ class SegmentationModule(StrategyModule):
         metrics.reset()
         self.log_dict(values, prog_bar=False)
 
+    def validation_keys(self) -> list[str]:
+        """The ``val/`` keys this module logs in validation (``val/loss`` and its metric
+        set's scores), known before anything runs."""
+        return ["val/loss", *(f"val/{n}" for n in self.metrics["val"].names())]
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")
 

@@ -122,3 +122,30 @@ class SigtermWhenBuilt(L.Callback):
 
     def __init__(self) -> None:
         os.kill(os.getpid(), signal_module.SIGTERM)
+
+
+class RecordLosses(L.Callback):
+    """Test helper: every rank appends ``<global step> <loss>`` of each training batch to
+    ``<folder>/losses_rank<r>.txt`` (the loss this rank computed, ``repr`` of the float, so
+    values compare bit for bit), across a run and its resumes."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: object, batch: object, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / f"losses_rank{trainer.global_rank}.txt").open("a") as handle:
+            handle.write(f"{trainer.global_step} {float(loss)!r}\n")
+
+
+def rank_losses(folder: Path, rank: int) -> dict[int, float]:
+    """``global step -> loss`` that :class:`RecordLosses` wrote for ``rank`` (a step written
+    twice is an error: a resumed run must not repeat a step)."""
+    values: dict[int, float] = {}
+    for line in (Path(folder) / f"losses_rank{rank}.txt").read_text().splitlines():
+        step, loss = line.split()
+        assert int(step) not in values, f"step {step} trained twice on rank {rank} in {folder}"
+        values[int(step)] = float(loss)
+    return values

@@ -316,11 +316,12 @@ class ResumeState(L.Callback):
             return None
         return rebuilt, sampler
 
-    def _apply(self, pending: dict[str, Any]) -> None:
+    def _apply(self, pending: dict[str, Any], iterated: bool = False) -> None:
         """Put the prepared sampler where the checkpointed run's loader was. Called from
         :meth:`_prepare`, or from :meth:`load_state_dict` when the loader was made before the
-        checkpoint was read (Lightning's ``ModelParallelStrategy`` restores after setup,
-        and a scheduler asking ``estimated_stepping_batches`` makes the loader there)."""
+        checkpoint was read (``iterated``: Lightning's ``ModelParallelStrategy`` restores
+        after setup, and a scheduler asking ``estimated_stepping_batches`` makes the loader
+        and its first iterator there)."""
         inner, batch_size = self._sampler, self._batch_size
         self._warn_if_reshaped(pending, batch_size)
         if pending.get("batches"):
@@ -337,7 +338,9 @@ class ResumeState(L.Callback):
         if self._rng is not None:
             set_rng_state(self._rng)
             self._rng = None
-        self._between_epochs = True
+        # the iterator Lightning makes before training starts and never reads draws from
+        # these states after this restore, unless it was made before it (iterated)
+        self._between_epochs = not iterated
         self._close_restored_epoch()
 
     def _samples_to_skip(self, pending: dict[str, Any]) -> int:
@@ -478,4 +481,4 @@ class ResumeState(L.Callback):
                                "draws (dropout masks) differ from an uninterrupted run")
         if self._sampler is not None and self._pending is not None:  # loader made already
             pending, self._pending = self._pending, None
-            self._apply(pending)
+            self._apply(pending, iterated=True)

@@ -28,6 +28,12 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = ("SIGTERM", "SIGINT")
 
 
+def preemption_signal() -> signal.Signals:
+    """The signal submitit sends a job before preemption or its time limit:
+    ``SIG$SUBMITIT_PREEMPT_SIGNAL`` (``SIGUSR2`` by default)."""
+    return signal.Signals["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes are atomic: the checkpoint goes to a hidden
     temporary file in the target folder, is flushed to disk (``fsync``) and then renamed over
@@ -108,6 +114,11 @@ class LastCheckpoint(Checkpoint):
       small all-reduce per step); once they agreed, further signals are ignored. A signal
       after the run's last optimizer step (e.g. in the last validation) stops nothing: the
       run ends ``completed``, with its checkpoint.
+    * on the scheduler's preemption signal (:func:`preemption_signal`, submitit's ``USR2``)
+      when a handler for it is installed at train start: as for SIGTERM; that handler is
+      kept in ``deferred`` and called once the run has stopped
+      (:func:`remat.runs.hand_on_preemption`), so the job is resubmitted after its
+      checkpoint is written.
 
     Nothing is written when a run fails with another exception: its state may be mid-step,
     and the last good ``last.ckpt`` is kept. Signal handlers are installed at train start in
@@ -136,6 +147,10 @@ class LastCheckpoint(Checkpoint):
         self._step_at_batch_start = 0
         self._trained = False  # whether this fit has run a training batch
         self._stopping = False  # every rank agreed to stop after this step
+        #: the preemption signal's earlier handler (submitit's requeue), held until the
+        #: checkpoint is written: ``(signal number, handler)``, set when that signal came
+        self.deferred: tuple[int, Any] | None = None
+        self._preemption: tuple[int, Any] | None = None
 
     @property
     def path(self) -> Path:
@@ -168,6 +183,7 @@ class LastCheckpoint(Checkpoint):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trained = False
         self._stopping = False
+        self.deferred = self._preemption = None
         # after every ModelCheckpoint, so that a last.ckpt written in the same hook holds
         # their updated best record (a resumed run then knows the true best file)
         others = [c for c in trainer.callbacks if c is not self]
@@ -182,6 +198,13 @@ class LastCheckpoint(Checkpoint):
         for name in STOP_SIGNALS:
             signum = getattr(signal, name)
             self._handlers[signum] = signal.signal(signum, self._on_signal)
+        preempt = preemption_signal()
+        previous = signal.getsignal(preempt)
+        if preempt not in self._handlers and callable(previous):
+            # a scheduler's handler (submitit's requeue): it runs once the checkpoint is
+            # written (remat.runs.hand_on_preemption), not at once mid-step
+            self._handlers[preempt] = signal.signal(preempt, self._on_signal)
+            self._preemption = (int(preempt), previous)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._stopping:
@@ -192,6 +215,8 @@ class LastCheckpoint(Checkpoint):
             return
         if self.received_signal is None:
             self.received_signal = signal.Signals(signum).name
+            if self._preemption is not None and signum == self._preemption[0]:
+                self.deferred = self._preemption
             log.warning("received %s: stopping after the current optimizer step, with a "
                         "checkpoint (send it again to stop at once)", self.received_signal)
             return

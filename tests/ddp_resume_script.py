@@ -8,8 +8,10 @@ Runs (tiny ViT segmenter with dropout and drop-path on the synthetic set, fp32; 
 images, batch 2 per rank: the ranks' shares are padded to 6 images, 3 steps per epoch,
 2 epochs): ``straight`` in one go; ``killed``: SIGTERM to rank 1 alone while optimizer
 step 4 runs (epoch 1, its second batch), every rank checkpoints at step 4 and stops;
-``resumed``: ``killed``'s folder resumed from its ``last.ckpt``. Every rank records its own
-per-step losses (:class:`tests.helpers.RecordLosses`).
+``resumed``: ``killed``'s folder resumed from its ``last.ckpt``; ``killed_end`` and
+``resumed_end``: the same with SIGTERM during epoch 0's last step (the checkpoint is written
+after that epoch's validation). Every rank records its own per-step losses
+(:class:`tests.helpers.RecordLosses`).
 """
 
 from __future__ import annotations
@@ -37,29 +39,41 @@ def overrides(out: Path, folder: str, *extra: str) -> list[str]:
             f"+callbacks.losses.folder={out / folder}", *extra]
 
 
-def kill_once(out: Path) -> list[str]:
-    """SIGTERM to rank 1 alone when the batch of optimizer step 4 starts, once."""
-    return ["+callbacks.kill._target_=tests.helpers.SignalAtStep", "+callbacks.kill.step=3",
-            "+callbacks.kill.rank=1", f"+callbacks.kill.once_file={out / 'killed.sent'}"]
+def kill_once(out: Path, step: int = 3, name: str = "killed") -> list[str]:
+    """SIGTERM to rank 1 alone when the batch of optimizer step ``step + 1`` starts, once."""
+    return ["+callbacks.kill._target_=tests.helpers.SignalAtStep", f"+callbacks.kill.step={step}",
+            "+callbacks.kill.rank=1", f"+callbacks.kill.once_file={out / (name + '.sent')}"]
+
+
+def kill_at_epoch_end(out: Path) -> list[str]:
+    """SIGTERM to rank 1 during epoch 0's last batch: the stop comes after its validation."""
+    return kill_once(out, 2, "killed_end")
 
 
 RUNS = {
     "straight": lambda out: [],
     "killed": kill_once,
     "resumed": lambda out: [*kill_once(out), f"ckpt_path={out}/killed/checkpoints/last.ckpt"],
+    "killed_end": kill_at_epoch_end,
+    "resumed_end": lambda out: [*kill_at_epoch_end(out),
+                                f"ckpt_path={out}/killed_end/checkpoints/last.ckpt"],
 }
+RESUMES = {"resumed": "killed", "resumed_end": "killed_end"}  # resumed into that folder
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     for name, extra in RUNS.items():
-        folder = "killed" if name == "resumed" else name
+        folder = RESUMES.get(name, name)
         cfg = compose_train(out / folder, overrides(out, folder, *extra(out)))
         try:
             train(cfg)
         except SystemExit as stop:  # the killed run: 128 + SIGTERM, on every rank
-            (out / folder / f"exit_rank{torch.distributed.get_rank()}").write_text(
-                str(stop.code))
+            rank = torch.distributed.get_rank()
+            (out / folder / f"exit_rank{rank}").write_text(str(stop.code))
+            if rank == 0:  # the step its checkpoint holds
+                ckpt = torch.load(out / folder / "checkpoints" / "last.ckpt", weights_only=True)
+                (out / folder / "stopped_at").write_text(str(ckpt["global_step"]))
 
 
 if __name__ == "__main__":

@@ -32,10 +32,13 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
 
-def test_kill_inside_an_epoch_then_resume_repeats_every_rank_s_losses(runs):
-    straight, killed = runs / "straight", runs / "killed"
-    # the stop: SIGTERM reached rank 1 alone, every rank saved step 4 and exited 143
+@pytest.mark.parametrize("folder", ["killed", "killed_end"],
+                         ids=["inside-an-epoch", "at-an-epoch-end"])
+def test_kill_then_resume_repeats_every_rank_s_losses(runs, folder):
+    straight, killed = runs / "straight", runs / folder
+    # the stop: SIGTERM reached rank 1 alone, every rank saved step 4 (3) and exited 143
     assert [(killed / f"exit_rank{r}").read_text() for r in (0, 1)] == ["143", "143"]
+    assert (killed / "stopped_at").read_text() == ("4" if folder == "killed" else "3")
     assert json.loads((killed / "summary.json").read_text())["global_step"] == 6
     for rank in (0, 1):
         reference = rank_losses(straight, rank)

@@ -34,6 +34,7 @@ from remat.runs import (  # noqa: F401 - instantiate_group, resolve_last: part o
     RunStart,
     checkpoint_to_resume,
     exit_code,
+    hand_on_preemption,
     hydra_choice,
     instantiate_group,
     resolve_last,
@@ -113,6 +114,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 start.record_failure(failure_summary(cfg, err))
             code = exit_code(err, callbacks)
             if code is not None:
+                hand_on_preemption(callbacks)  # a preempted SLURM job is resubmitted here
                 raise SystemExit(code) from err
             raise
         summary_cb = next((c for c in callbacks if isinstance(c, RunSummary)), None)

@@ -14,6 +14,9 @@ import torch
 
 from tests.helpers import logged, rank_losses, subprocess_env
 
+# 2-process gloo launches: one at a time, on one xdist worker (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("gloo")
+
 SCRIPT = Path(__file__).with_name("ddp_resume_script.py")
 
 

@@ -18,6 +18,9 @@ import torch
 
 from tests.helpers import REPO, run_python
 
+# 2-process gloo launches: one at a time, on one xdist worker (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("gloo")
+
 
 def _args(root: Path, out: Path, trainer: str, epochs: int, rank: int, batch: int) -> list[str]:
     return [str(REPO / "train.py"), "experiment=shakespeare_gpt", "model=gpt_tiny",

@@ -67,6 +67,8 @@ def test_pretrained_folder_is_the_saved_model(tmp_path):
     module = SequenceModule(vocab_size=VOCAB, block_size=SEQ, pretrained=str(tmp_path / "llama"),
                             stages=["model.layers"], strategy=build_strategy("full"))
     assert type(module.net).__name__ == "LlamaForCausalLM" and module.hf_net
+    # in training mode (from_pretrained gives eval(), which Lightning would keep)
+    assert all(m.training for m in module.net.modules())
     state = module.net.state_dict()
     for name, tensor in saved.state_dict().items():
         assert torch.equal(state[name], tensor), name

@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import selectors
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
 
 from remat.measure.memory import PeakMemory
@@ -76,6 +77,20 @@ def _data_dependent(err: BaseException) -> bool:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if "DataDependentOutput" in type(err).__name__ or "DataDependentOutput" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _swap_refused(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is ``nn.Module._apply`` failing
+    to swap a fake parameter (``.to()`` of a module built under FakeTensorMode swaps the
+    tensors, and refuses one with a weak reference): PEFT's LoRA layers move their adapters
+    to the base layer's device and dtype that way while they are built."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if "Couldn't swap" in str(err):
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -332,6 +347,37 @@ def _fake_mode() -> Iterator[None]:
             yield
 
 
+@contextmanager
+def _unpacked_hf_sequences() -> Iterator[None]:
+    """Hugging Face causal masks as a real step makes them, while a fake trace runs.
+
+    transformers (5.x, ``masking_utils.find_packed_sequence_indices``) checks whether the
+    position ids hold several packed sequences by reading their values, which it cannot do
+    on a fake tensor, so it assumes packing and builds an explicit 4-D mask ``[B, 1, T, T]``
+    (and its float form), where the real step finds one sequence per row and lets SDPA mask
+    causally without a mask tensor: the trace would count ``5 B T^2`` bytes a real step never
+    allocates (5 GiB at ``T = 32768``). remat's sequence models pass no position ids (the
+    model counts ``0..T-1`` on each row, never packed), so on fake position ids the check
+    answers "not packed", as it does on the real ones. A no-op where transformers' masking
+    module is not loaded or has no such function."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return original(position_ids)
+
+    masking.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
 def run_built(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
               device: torch.device, fake: bool = True) -> Any:
     """``fn(build())`` in a forked child (see :func:`built_fn`)."""
@@ -344,7 +390,8 @@ def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
     ``FakeTensorMode`` with ``fake=True`` and with the RNG seeded to 0; the child returns
     ``fn``'s (picklable) result.
 
-    A model whose construction FakeTensorMode refuses is built on ``meta`` and materialized
+    A model whose construction FakeTensorMode refuses (a data-dependent op, or a fake
+    parameter ``.to()`` cannot swap: PEFT's LoRA layers) is built on ``meta`` and materialized
     as fake tensors, or, when ``meta`` fails too, built for real once and traced as a meta
     copy (see :func:`trace_step`). ``fn`` must not keep fake tensors in its result.
     """
@@ -352,7 +399,9 @@ def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
         # forked RNG: on CUDA the trace runs in the training process, whose seed must hold
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(0)
-            return fn(make())
+            model = make()
+            with _unpacked_hf_sequences() if fake else nullcontext():
+                return fn(model)
 
     def dev() -> Any:
         return torch.device(device) if device.type != "cpu" else nullcontext()
@@ -362,7 +411,7 @@ def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
             with _fake_mode() if fake else nullcontext(), dev():
                 return run(build)
         except Exception as err:
-            if not (fake and _data_dependent(err)):
+            if not (fake and (_data_dependent(err) or _swap_refused(err))):
                 raise
         try:
             with torch.device("meta"):

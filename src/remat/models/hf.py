@@ -65,7 +65,8 @@ LORA_ALIASES = {"r": "r", "alpha": "lora_alpha", "dropout": "lora_dropout",
 def load_pretrained(folder: str | os.PathLike[str]) -> nn.Module:
     """The causal LM saved in ``folder`` by ``save_pretrained`` (``config.json`` and the
     weights), loaded offline: ``transformers.AutoModelForCausalLM.from_pretrained(folder,
-    local_files_only=True)``, nothing downloaded. The parameters keep the saved dtype.
+    local_files_only=True)``, nothing downloaded, in training mode. The parameters keep the
+    saved dtype.
 
     Raises:
         FileNotFoundError: ``folder`` is not a folder, or has no ``config.json`` (one line
@@ -83,7 +84,10 @@ def load_pretrained(folder: str | os.PathLike[str]) -> nn.Module:
             "model saved by save_pretrained")
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype="auto")
+    net = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype="auto")
+    # from_pretrained returns the model in eval mode, which Lightning keeps for training:
+    # dropout would be off and every strategy idle (a strategy does nothing in eval())
+    return net.train()
 
 
 def lora_config(lora: Mapping[str, Any], hf: bool = True) -> Any:

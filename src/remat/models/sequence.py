@@ -186,6 +186,28 @@ class SequenceModule(StrategyModule):
                 f"{data_vocab} or model.vocab_size='${{data.vocab_size}}'"
             )
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The strategy's record (:class:`StrategyModule`) and, for a LoRA run, under
+        ``"lora"``: its settings and parameter counts (the adapters themselves are in the
+        ``state_dict``, as ``...lora_A.default.weight`` / ``...lora_B.default.weight``, next
+        to the frozen weights a resume needs)."""
+        super().on_save_checkpoint(checkpoint)
+        if self.lora is not None:
+            checkpoint["lora"] = {"settings": self.lora,
+                                  "trainable_parameters": self.trainable_parameters,
+                                  "total_parameters": self.total_parameters}
+
+    def on_train_end(self) -> None:
+        """A LoRA run writes its adapters as PEFT saves them (``adapter_config.json``,
+        ``adapter_model.safetensors``) into ``<run>/lora_adapter``: loadable on the base
+        model with ``peft.PeftModel.from_pretrained(base, folder)``."""
+        if self.lora is None or not self.trainer.is_global_zero:
+            return
+        folder = Path(self.trainer.default_root_dir) / "lora_adapter"
+        self.net.save_pretrained(str(folder))
+        log.info("LoRA adapters (%d parameters) written to %s", self.trainable_parameters,
+                 folder)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True,

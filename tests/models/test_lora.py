@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from remat.models import SequenceModule
+from remat.models import GPT, SequenceModule
 from remat.models.hf import PEFT_PREFIX, lora_stage_paths
 from remat.strategies import STRATEGIES, RecomputeStrategy, build_strategy
 from tests.helpers import TINY_TRAINER, compose_train
@@ -35,8 +35,14 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
         eos_token_id=None))
 
 
+def tiny_gpt(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(VOCAB, SEQ, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+
+
 # each family: the net, its stages, its LoRA targets (GPT-2's c_attn is a Conv1D)
 FAMILIES = {
+    "gpt": (tiny_gpt, ["blocks"], {"target_modules": ["qkv", "proj"]}),
     "hf_llama": (tiny_llama, ["model.layers"], {"target_modules": ["q_proj", "v_proj"]}),
     "hf_gpt2": (tiny_gpt2, ["transformer.h"], {"target_modules": ["c_attn"],
                                                 "fan_in_fan_out": True}),
@@ -132,7 +138,7 @@ def test_lora_adapter_gradients_equal_none_under_recompute(family, strategy):
     if strategy not in ("offload",):
         assert module.strategy_report.wrapped, strategy
     # the frozen embeddings: the first layer's input needs no gradient
-    embed = module.net.get_input_embeddings()
+    embed = next(m for m in module.net.modules() if isinstance(m, torch.nn.Embedding))
     assert not embed.weight.requires_grad
     got = adapter_grads(module)
     # 2 layers x each target x (lora_A, lora_B)

@@ -198,15 +198,25 @@ class SequenceModule(StrategyModule):
                                   "total_parameters": self.total_parameters}
 
     def on_train_end(self) -> None:
-        """A LoRA run writes its adapters as PEFT saves them (``adapter_config.json``,
-        ``adapter_model.safetensors``) into ``<run>/lora_adapter``: loadable on the base
-        model with ``peft.PeftModel.from_pretrained(base, folder)``."""
-        if self.lora is None or not self.trainer.is_global_zero:
+        """Write the trained network as Hugging Face saves it, for use outside remat and as
+        another run's ``model.pretrained``: a LoRA run its adapters (PEFT's
+        ``adapter_config.json`` and ``adapter_model.safetensors``, loadable on the base
+        model with ``peft.PeftModel.from_pretrained(base, folder)``) into
+        ``<run>/lora_adapter``, any other run of a Hugging Face net the whole model
+        (``save_pretrained``) into ``<run>/hf_model``. Rank 0 only; not under FSDP2 (the
+        weights are sharded: the checkpoint holds them)."""
+        if not ((self.hf_net or self.lora is not None) and self.trainer.is_global_zero):
             return
-        folder = Path(self.trainer.default_root_dir) / "lora_adapter"
+        if getattr(self, "shard_report", None) is not None:
+            log.info("sharded by FSDP2: no save_pretrained folder written (the checkpoint "
+                     "holds the weights)")
+            return
+        folder = Path(self.trainer.default_root_dir) / (
+            "lora_adapter" if self.lora is not None else "hf_model")
         self.net.save_pretrained(str(folder))
-        log.info("LoRA adapters (%d parameters) written to %s", self.trainable_parameters,
-                 folder)
+        what = (f"LoRA adapters ({self.trainable_parameters} parameters)"
+                if self.lora is not None else type(self.net).__name__)
+        log.info("%s written to %s (save_pretrained)", what, folder)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)

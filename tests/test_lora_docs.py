@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from remat.estimate import estimate
 from remat.train import train
-from tests.helpers import TINY_TRAINER, compose_app, compose_train, logged, run_python
+from tests.helpers import TINY, TINY_TRAINER, compose_app, compose_train, logged, run_python
 from tests.test_readme import DOCS, _app_and_args, _one_line, bash_commands
 
 PAGE = DOCS / "fine-tuning-lora.md"
@@ -126,3 +126,23 @@ def test_budget_then_resume_from_the_command_line(tmp_path, base_run):
     assert summary["status"] == "completed" and summary["global_step"] == 4
     assert summary["resumed_from"].endswith("last.ckpt")
     assert logged(run, "train/loss_step") == logged(tmp_path / "reference", "train/loss_step")
+
+
+def test_segmentation_encoder_weights_from_a_file(tmp_path):
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(5)
+    weights = timm.create_model("convnext_atto", pretrained=False).state_dict()
+    save_file(weights, tmp_path / "convnext_atto.safetensors")
+    _, args = page_args("python train.py model=unet_convnext", {
+        "<convnext_atto.safetensors>": str(tmp_path / "convnext_atto.safetensors")})
+    cfg = compose_train(tmp_path / "run", [*args, *TINY])
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["strategy"] == "sqrtn"
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt",
+                       weights_only=False)["state_dict"]
+    # two AdamW steps (lr 1e-3: at most about 2e-3 each) from the file's weights
+    trained = state["net.encoder.model.stages_2.blocks.0.conv_dw.weight"]
+    start = weights["stages.2.blocks.0.conv_dw.weight"]
+    assert (trained - start).abs().max() < 0.01 < start.abs().max()

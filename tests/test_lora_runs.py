@@ -136,3 +136,15 @@ def test_lora_resume_gives_the_uninterrupted_losses(tmp_path, shakespeare_root, 
     res = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     for key, value in ref["state_dict"].items():
         assert torch.equal(res["state_dict"][key], value), key
+
+
+def test_lora_run_estimate_at_train_start_is_its_measured_peak(tmp_path, shakespeare_root,
+                                                               pretrained):
+    """The default callbacks: the estimate logged at train start (a meta copy of the run's
+    PEFT-wrapped module, traced) against the run's own measured peak."""
+    summary = train(compose_train(tmp_path, [
+        *lora_run(shakespeare_root, pretrained, batch_size=16, windows=32),
+        "trainer.max_epochs=1", "trainer.accelerator=cpu", "strategy=sqrtn"]))
+    predicted, measured = summary["memory_estimate"]["peak_bytes"], summary["peak_memory_bytes"]
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert summary["parameters"]["trainable"] == ADAPTERS

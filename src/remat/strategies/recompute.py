@@ -65,16 +65,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import checkpoint as _ckpt
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from remat import _compat
+from remat._compat import tree_flatten, tree_unflatten
 from remat.strategies.stages import StageError
-
-# torch's non-reentrant checkpoint internals (torch 2.x); without them each call is a plain
-# torch.utils.checkpoint.checkpoint and segments of a chain are not shared.
-_HAS_FRAMES = (hasattr(_ckpt, "_CheckpointFrame") and hasattr(_ckpt, "_checkpoint_hook")
-               and hasattr(_ckpt._CheckpointFrame, "get_inputs"))
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 _CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
@@ -105,11 +100,7 @@ def _recomputing() -> Iterator[None]:
 
 def _inside_checkpoint() -> bool:
     """Whether a torch checkpoint (forward or recompute) is active around this call."""
-    try:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, TypeError):  # pragma: no cover - older torch
-        return is_recomputing()
-    return hooks is not None and getattr(hooks[0], "_checkpoint_internal", False)
+    return _compat.inside_checkpoint()
 
 
 # --- arguments: key/value caches ------------------------------------------------------
@@ -203,8 +194,7 @@ def refuse_sync_batchnorm(module: nn.Module, path: str) -> None:
 def fsdp_unit(module: nn.Module) -> Any:
     """The FSDP2 state of ``module`` if it is itself an FSDP unit (``fully_shard``), else
     ``None`` (its parameters belong to an enclosing unit, or none)."""
-    get = getattr(module, "_get_fsdp_state", None)
-    return get() if get is not None else None
+    return _compat.fsdp_state(module)
 
 
 def check_fsdp_segment(label: str, first: nn.Module, first_path: str, module: nn.Module,
@@ -241,7 +231,7 @@ class UnitState:
 
 
 def _is_norm_stat(module: nn.Module, name: str) -> bool:
-    return (name in _STAT_BUFFERS and isinstance(module, _NormBase)
+    return (name in _STAT_BUFFERS and isinstance(module, _compat.NormBase)
             and module.track_running_stats)
 
 
@@ -260,19 +250,20 @@ class _StateGuard:
         self.snapshot: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self._watch: list[tuple[nn.Module, str, torch.Tensor, int]] = []
         for m in module.modules():
-            if isinstance(m, _NormBase) and m.track_running_stats and m.training:
+            if isinstance(m, _compat.NormBase) and m.track_running_stats and m.training:
                 self.norms.append(m)
-            for name, buf in m._buffers.items():
+            for name, buf in _compat.buffer_table(m).items():
                 if not _initialised(buf) or _is_norm_stat(m, name):
                     continue
-                self._watch.append((m, name, buf, buf._version))
+                self._watch.append((m, name, buf, _compat.tensor_version(buf)))
                 if not state.learned or (id(m), name) in state.stateful:
                     self.snapshot[(m, name)] = buf.detach().clone()
 
     def finish(self) -> None:
         """After the forward call: learn which buffers it changed."""
         changed = {(id(m), name) for m, name, buf, version in self._watch
-                   if m._buffers.get(name) is not buf or buf._version != version}
+                   if _compat.buffer_table(m).get(name) is not buf
+                   or _compat.tensor_version(buf) != version}
         if not self.state.learned:
             self.state.learned = True
             self.state.stateful = changed
@@ -297,19 +288,19 @@ def _replaying(guards: list[_StateGuard], norms: bool = True) -> Iterator[None]:
     for guard in guards:
         for m in guard.norms if norms else ():
             for name in _STAT_BUFFERS:
-                if (id(m), name) not in swaps and _initialised(m._buffers.get(name)):
-                    swaps[(id(m), name)] = (m, name, m._buffers[name].clone())
+                if (id(m), name) not in swaps and _initialised(_compat.buffer_table(m).get(name)):
+                    swaps[(id(m), name)] = (m, name, _compat.buffer_table(m)[name].clone())
         for (m, name), before in guard.snapshot.items():
             swaps.setdefault((id(m), name), (m, name, before.clone()))
     originals = []
     for m, name, copy in swaps.values():
-        originals.append((m, name, m._buffers.get(name)))
-        m._buffers[name] = copy
+        originals.append((m, name, _compat.buffer_table(m).get(name)))
+        _compat.buffer_table(m)[name] = copy
     try:
         yield
     finally:
         for m, name, buf in reversed(originals):
-            m._buffers[name] = buf
+            _compat.buffer_table(m)[name] = buf
 
 
 # --- regions --------------------------------------------------------------------------
@@ -374,7 +365,7 @@ class _Tape:
         with _recomputing():
             try:
                 self._replay()
-            except (_ckpt._StopRecomputationError, RecomputeError):
+            except (_compat.StopRecomputationError, RecomputeError):
                 raise
             except _ckpt.CheckpointError as err:
                 self.raise_named(err)
@@ -388,7 +379,7 @@ class _Tape:
         values = []
         for i, (kept, version) in enumerate(zip(self.externals, self.versions, strict=True)):
             value = self.unpack(kept) if self.unpack is not None else kept
-            if version is not None and value._version != version:
+            if version is not None and _compat.tensor_version(value) != version:
                 raise RecomputeError(
                     f"remat: an input (argument tensor {i}) of the recomputed unit "
                     f"'{self.label}' (strategy '{self.strategy}') was changed in place after "
@@ -442,11 +433,7 @@ class Region:
         self.tape = _Tape(label, strategy.name, recompute_ctx,
                           hooks[1] if hooks is not None else None)
         self.forward_ctx = forward_ctx
-        early_stop = (_ckpt._enable_checkpoint_early_stop
-                      if _ckpt._enable_checkpoint_early_stop is not None else True)
-        self.frame = _ckpt._CheckpointFrame(
-            self.tape.replay, early_stop, self.tape.raise_named,
-            _ckpt._allowed_determinism_checks_to_fns[_ckpt._DEFAULT_DETERMINISM_MODE])
+        self.frame = _compat.new_checkpoint_frame(self.tape.replay, self.tape.raise_named)
         self.segment = segment
         self.last_index = -1
         self._first: tuple[nn.Module, str] | None = None  # its first block (FSDP check)
@@ -456,7 +443,7 @@ class Region:
     def _source(self, t: torch.Tensor) -> tuple:
         for ci in range(len(self._outputs) - 1, -1, -1):
             for li, entry in enumerate(self._outputs[ci]):
-                if entry is not None and entry[0]() is t and t._version == entry[1]:
+                if entry is not None and entry[0]() is t and _compat.tensor_version(t) == entry[1]:
                     return ("o", ci, li)
         hit = self._externals.get(id(t))
         if hit is not None and hit[0]() is t:
@@ -468,7 +455,7 @@ class Region:
             tape.versions.append(None)  # a copy: later in-place changes do not reach it
         else:
             tape.externals.append(t)
-            tape.versions.append(t._version)
+            tape.versions.append(_compat.tensor_version(t))
         self._externals[id(t)] = (weakref.ref(t), index)
         return ("e", index)
 
@@ -492,14 +479,15 @@ class Region:
         self.tape.calls.append(_Call(wrap.path, forward, spec, sources, torch.get_rng_state(),
                                      device_type, devices, device_rng,
                                      _autocast_state(device_type), guard))
-        with _ckpt._checkpoint_hook(self.frame), self.forward_ctx:
+        with _compat.checkpoint_hook(self.frame), self.forward_ctx:
             out = forward(*args, **kwargs)
         self.frame.forward_completed = True
         guard.finish()
         if getattr(self.forward_ctx, "saves_nothing", False):
             wrap.state.plain = True
-        self._outputs.append([(weakref.ref(t), t._version) if isinstance(t, torch.Tensor)
-                              else None for t in tree_flatten(out)[0]])
+        self._outputs.append([(weakref.ref(t), _compat.tensor_version(t))
+                              if isinstance(t, torch.Tensor) else None
+                              for t in tree_flatten(out)[0]])
         return out
 
 
@@ -548,30 +536,6 @@ def _checkpoint_call(forward: Callable[..., Any], args: tuple, kwargs: dict,
     return _ckpt.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
-def _public_checkpoint(strategy: Any, module: nn.Module, wrap: Any,
-                       forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Fallback for a torch without the frame internals: one plain checkpoint per call
-    (segments of a chain are then not shared, and errors do not name the unit)."""
-    if wrap.state is None:
-        wrap.state = UnitState()
-    guard = _StateGuard(module, wrap.state)
-
-    @contextlib.contextmanager
-    def replaying(recompute_ctx: Any) -> Iterator[None]:
-        with _recomputing(), _replaying([guard]), recompute_ctx:
-            yield
-
-    def contexts() -> tuple:
-        forward_ctx, recompute_ctx = (strategy.checkpoint_contexts()
-                                      if strategy.checkpoint_contexts is not None
-                                      else (contextlib.nullcontext(), contextlib.nullcontext()))
-        return forward_ctx, replaying(recompute_ctx)
-
-    out = _checkpoint_call(forward, args, kwargs, contexts)
-    guard.finish()
-    return out
-
-
 def run_recomputed(strategy: Any, module: nn.Module, wrap: Any, forward: Callable[..., Any],
                    args: tuple, kwargs: dict) -> Any:
     """The runner of every recomputing strategy (``full``, ``sqrtn``, ``every_k``,
@@ -589,8 +553,6 @@ def run_recomputed(strategy: Any, module: nn.Module, wrap: Any, forward: Callabl
     refuse_sync_batchnorm(module, wrap.path)
     if wrap.state is not None and wrap.state.plain:
         return forward(*args, **kwargs)
-    if not _HAS_FRAMES:  # pragma: no cover - older torch
-        return _public_checkpoint(strategy, module, wrap, forward, args, kwargs)
     region = (wrap.chain.region_for(strategy, wrap) if wrap.chain is not None
               else Region(strategy, wrap.path))
     return region.call(module, wrap, forward, args, kwargs)

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export REMAT_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: venv train test test-all lint clean
+.PHONY: venv train test test-all test-oldest lint clean
 
 venv: $(STAMP)
 
@@ -16,11 +16,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[dev]"
 	touch $(STAMP)
 
+# The oldest torch pyproject allows (remat.TORCH_MIN), from the registry, in a venv of its
+# own. `===` takes the registry's build, not a local +cpu wheel of the same release (which
+# the registry's torchvision build does not load with).
+OLDEST_VENV := .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+OLDEST_TORCH := torch===2.13.0 torchvision===0.28.0
+# the suites that reach torch internals (remat._compat's users), and the compat tests
+OLDEST_TESTS := tests/test_compat.py tests/strategies tests/measure tests/planner
+
+$(OLDEST_STAMP): pyproject.toml
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --upgrade pip
+	$(OLDEST_PY) -m pip install $(OLDEST_TORCH)
+	$(OLDEST_PY) -m pip install -e ".[dev]"
+	touch $(OLDEST_STAMP)
+
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -c "import torch; print('torch', torch.__version__)"
+	$(OLDEST_PY) -m pytest $(OLDEST_TESTS) $(ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m "" $(ARGS)

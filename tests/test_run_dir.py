@@ -123,7 +123,7 @@ def test_torch_requirement_has_no_patch_level_cap():
     assert torch_spec == "torch>=2.13,<2.15"  # the oldest and newest minor release CI tests
     makefile = (REPO / "Makefile").read_text()
     assert "torch==2.14.1" in makefile  # what this machine installs (make test)
-    assert "torch==2.13.0" in makefile  # the oldest-torch job (make test-oldest)
+    assert "torch===2.13.0" in makefile  # the oldest-torch job (make test-oldest)
 
 
 def test_csv_and_tensorboard_loggers_side_by_side(tmp_path):

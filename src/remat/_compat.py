@@ -10,11 +10,12 @@ retire it.
 The tested range is ``remat.TORCH_MIN`` up to the newest release CI installs (pyproject's
 ``torch`` requirement); ``import remat`` refuses an older torch (``remat.check_torch``)
 before this module is imported, so the names below need no guard of their own.
-Below 2.13 the two internals remat cannot do without are missing or different: selective
-checkpointing's cache (``_RECOMPUTE`` entries keyed by op and call index, 2.13) and
-``MemTracker``'s fake-mode check (``_fake_mode_on_entry``, 2.13); with 2.11/2.12 the
-``selective`` strategy would keep more than its plan and CPU traces under ``FakeTensorMode``
-would miscount, so there is no fallback for them.
+Below 2.13, internals remat cannot do without are missing or different, so there is no
+fallback for them: selective checkpointing's cache is a list per op that the policy is asked
+about again in backward (2.12; from 2.13 ``_RECOMPUTE`` entries keyed by op and call index,
+which the ``selective`` strategy rewrites after the forward), its policy gets no
+``op_output`` (2.11), and ``MemTracker`` has no ``_fake_mode_on_entry`` (2.11, 2.12: the
+CPU peak tracker fails on every operator).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ __all__ = [
     "unset_fake_temporarily",
 ]
 
+
+# torch 2.13-2.14: an ATen overload's schema is private (``_schema``). Retired by a public
+# ``OpOverload.schema``.
 def op_schema(op: Any, missing_ok: bool = False) -> Any:
     """The ``torch._C.FunctionSchema`` of an ATen overload (its arguments, returns, alias
     information). With ``missing_ok`` an object without one (a higher-order op, a Python
@@ -276,7 +280,9 @@ def traced_local(ctx: Any, name: str) -> Any:
     """The real Python object of local ``name`` of the frame dynamo traces, or ``None``.
 
     Best effort: dynamo's VariableTracker accessor is private and explicitly unstable
-    (torch 2.13-2.14); an API change loses only the note the caller takes."""
+    (torch 2.13-2.14). An API change loses the note, and a strategy's ``verify`` then calls
+    a stage under ``torch.compile(model)`` bypassed: loud, not silent (tests/test_compat.py
+    checks the accessor on the torch installed)."""
     try:
         tracker = ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
         return tracker.value

@@ -243,16 +243,25 @@ def test_traced_local_loses_only_the_note_when_dynamos_accessor_changes():
 
 
 def test_traced_local_under_a_real_compile_marks_the_wrap():
-    from remat.strategies.full import FullCheckpoint
-    from remat.strategies.wrapping import wraps_of
-
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    FullCheckpoint().apply(model, ["0"])
-    wrap = next(w for _, _, w in wraps_of(model))
-    assert not wrap.traced
-    compiled = torch.compile(model, backend="eager")
-    compiled(torch.randn(3, 4, requires_grad=True)).sum().backward()
-    assert wrap.traced
+    # in a child: a compiled backward in this process would leave autograd unable to run in
+    # the forked children of later tests (remat.measure.trace)
+    code = "\n".join([
+        "import torch",
+        "from torch import nn",
+        "from remat.strategies.full import FullCheckpoint",
+        "from remat.strategies.wrapping import wraps_of",
+        "model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))",
+        "FullCheckpoint().apply(model, ['0'])",
+        "wrap = next(w for _, _, w in wraps_of(model))",
+        "print(wrap.traced)",
+        "compiled = torch.compile(model, backend='eager')",
+        "compiled(torch.randn(3, 4, requires_grad=True)).sum().backward()",
+        "print(wrap.traced)",
+    ])
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
 
 
 def test_early_stop_follows_torchs_setting(monkeypatch):
@@ -332,6 +341,46 @@ def test_in_backward_and_inside_checkpoint():
 
     Probe.apply(y).sum().backward()
     assert seen["backward"] is True
+
+
+def test_inside_checkpoint_without_torchs_mark(monkeypatch):
+    """torch 2.13 does not mark its checkpoint's pack hooks: they are known by name."""
+    def pack_hook(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    pack_hook.__module__ = "torch.utils.checkpoint"
+    for qualname, inside in [("_checkpoint_hook.__init__.<locals>.pack_hook", True),
+                             ("_recomputation_hook.__init__.<locals>.pack_hook", True),
+                             ("save_on_cpu.__init__.<locals>.pack_to_cpu", False)]:
+        pack_hook.__qualname__ = qualname
+        monkeypatch.setattr(_compat, "top_saved_tensors_hooks", lambda: (pack_hook, unpack))
+        assert _compat.inside_checkpoint() is inside, qualname
+    pack_hook.__module__ = "my_package"
+    pack_hook.__qualname__ = "_checkpoint_hook.__init__.<locals>.pack_hook"
+    assert _compat.inside_checkpoint() is False
+    monkeypatch.undo()
+    with torch.autograd.graph.save_on_cpu():
+        assert _compat.inside_checkpoint() is False
+
+
+def test_a_unit_inside_a_users_checkpoint_is_not_checkpointed_again():
+    """Only the outermost checkpoint recomputes: a wrapped unit called inside a plain torch
+    checkpoint runs as it is, on every torch in range."""
+    from remat.strategies.full import FullCheckpoint
+    from remat.strategies.wrapping import wraps_of
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    FullCheckpoint().apply(model, ["0"])
+    model.train()
+    wrap = next(w for _, _, w in wraps_of(model))
+    x = torch.randn(3, 4, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).sum().backward()
+    assert wrap.calls == 0  # run_recomputed counts only calls it checkpoints itself
+    model(x).sum().backward()
+    assert wrap.calls == 1
 
 
 def test_compile_shims():

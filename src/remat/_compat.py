@@ -160,12 +160,25 @@ def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+# torch 2.13 does not mark its checkpoint's pack hooks ``_checkpoint_internal`` (2.14 does);
+# they are known there by where they are defined. Retired with torch 2.13 support.
+_TORCH_CHECKPOINT_PACKS = ("_checkpoint_hook.__init__.<locals>.pack_hook",
+                           "_recomputation_hook.__init__.<locals>.pack_hook")
+
+
 def inside_checkpoint() -> bool:
-    """Whether a torch checkpoint (forward or recompute) is active around this call: the
-    innermost saved-tensor hooks are a checkpoint's own (torch marks them
-    ``_checkpoint_internal``)."""
+    """Whether a torch checkpoint (forward or recompute, remat's regions included) is active
+    around this call: the innermost saved-tensor hooks are a checkpoint's own (torch 2.14
+    marks them ``_checkpoint_internal``; on 2.13 they are torch's checkpoint hook
+    functions)."""
     hooks = top_saved_tensors_hooks()
-    return hooks is not None and getattr(hooks[0], "_checkpoint_internal", False)
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    if getattr(pack, "_checkpoint_internal", False):
+        return True
+    return (getattr(pack, "__module__", None) == _checkpoint.__name__
+            and getattr(pack, "__qualname__", None) in _TORCH_CHECKPOINT_PACKS)
 
 
 # --- non-reentrant checkpoint frames (torch.utils.checkpoint) --------------------------

@@ -23,8 +23,11 @@ OLDEST_VENV := .venv-oldest
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.installed
 OLDEST_TORCH := torch===2.13.0 torchvision===0.28.0
-# the suites that reach torch internals (remat._compat's users), and the compat tests
-OLDEST_TESTS := tests/test_compat.py tests/strategies tests/measure tests/planner
+# the suites that reach torch internals (remat._compat's users) and the compat tests, in
+# the order `make test` runs them: the planner's forked traces must run before the
+# strategies' in-process torch.compile backward, after which autograd refuses to run in a
+# forked child
+OLDEST_TESTS := tests/measure tests/planner tests/strategies tests/test_compat.py
 
 $(OLDEST_STAMP): pyproject.toml
 	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)

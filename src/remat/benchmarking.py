@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 
+from remat import _compat
 from remat.measure import (
     TOLERANCES,
     DeviceSlot,
@@ -120,16 +121,14 @@ class RowBackend:
     def __init__(self, backend: str, memory_budget: float | None = None) -> None:
         self.backend = backend
         self.memory_budget = memory_budget
-        self.inner = torch._dynamo.lookup_backend(backend)
+        self.inner = _compat.lookup_backend(backend)
         self.graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         self.graphs += 1
         if self.memory_budget is None:
             return self.inner(gm, example_inputs)
-        import torch._functorch.config as functorch_config
-
-        with functorch_config.patch(activation_memory_budget=self.memory_budget):
+        with _compat.functorch_config().patch(activation_memory_budget=self.memory_budget):
             return self.inner(gm, example_inputs)
 
 
@@ -142,7 +141,8 @@ def compile_row(net: torch.nn.Module, backend: Callable) -> None:
     with only a warning. A trampoline per row (:func:`remat.strategies.compiled.
     trampoline`, as the ``compile`` strategy's stages have) gives each row a cache of its
     own."""
-    net._compiled_call_impl = torch.compile(trampoline(net._call_impl), backend=backend)
+    _compat.set_compiled_call_impl(
+        net, torch.compile(trampoline(_compat.call_impl(net)), backend=backend))
 
 
 @dataclass

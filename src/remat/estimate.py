@@ -40,13 +40,14 @@ import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
 
-from remat import run_shape
+from remat import _compat, run_shape
 from remat.build import build_from_config
 from remat.config import config_dir
 from remat.measure import format_bytes
 from remat.measure.trace import Estimate, trace_step
+
+_compat.preload_mem_tracker()  # imported before forking
 
 log = logging.getLogger(__name__)
 

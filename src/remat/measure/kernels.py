@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from remat._compat import TorchDispatchMode, tree_flatten, tree_map
 
 # Operators whose arguments and outputs together are smaller than this are not measured: a
 # kernel's own buffers are at most a few times what it reads and writes. At 1 MiB a MONAI

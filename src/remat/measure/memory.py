@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import nn
+
+from remat import _compat
 
 # MemTracker's category names (torch/distributed/_tools/mem_tracker.py, ``_MemRefType``)
 # -> the names remat reports them under.
@@ -21,129 +22,6 @@ CATEGORIES = {
     "Temp": "temporaries",
     "Other": "other",
 }
-
-
-class _NoModuleHooks:
-    """Stands in for ``MemTracker``'s ``ModTracker``: registers no module hooks and tells
-    whether autograd's engine is running (``torch._C._current_graph_task_id``, as
-    ``torch.utils.checkpoint`` asks), which is all the storage accounting reads of it."""
-
-    parents: set[str] = set()
-
-    @property
-    def is_bw(self) -> bool:
-        return torch._C._current_graph_task_id() != -1
-
-    def register_user_hooks(self, *hooks: Any) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> _NoModuleHooks:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-@functools.cache
-def _global_peak_tracker_class() -> type:
-    """A ``MemTracker`` that keeps only the whole-process peak, which is all PeakMemory reads
-    (``get_tracker_snapshot("peak")``), and puts no hooks on modules.
-
-    - After every operator the stock tracker walks every module it has seen to update that
-      module's own peak: O(operators x modules), 20x the cost of the work itself on a
-      ResNet-sized model on CPU. Here only the global peak is updated, exactly as the stock
-      method updates it; the per-module peaks (``memory_tracking``) are not kept.
-    - The stock tracker's module hooks (``ModTracker``: forward hooks and multi-grad hooks
-      on every module's inputs and outputs) change what the measured step holds: they keep
-      some tensors alive longer than a plain run does (U-Net-R18, 256 px, batch 2,
-      ``every_k`` over the whole network: 246.5 MiB with them, 244.6 MiB without; ``none``
-      and ``full`` unchanged), so the measure was of the tracked run, not of training. Here
-      ``ModTracker`` is replaced by :class:`_NoModuleHooks`; the storages are counted as the
-      stock tracker counts them. Gradients are still filed under ``Gradient`` (the stock
-      tracker's own per-parameter hooks, installed for every module given to
-      ``track_external``). Without module hooks, tensors made during backward are all
-      ``Temp``: activations that a recompute makes again count there, not as ``Activation``.
-    - A view (or in-place result) of a tensor made before the tracker started and not
-      given to ``track_external`` allocates nothing, but the stock tracker counted its
-      storage as new from then on: a segmentation loss's ``mask.unsqueeze(1)`` added the
-      int64 mask again (4 MiB at 512 px, batch 2), so traces were 4 MiB above the
-      allocator. Such storages are now left out, as the tensors they view are.
-    """
-    from copy import deepcopy
-
-    from torch._guards import active_fake_mode
-    from torch.distributed._tools.common_utils import get_untyped_storages
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    from torch.utils._pytree import tree_flatten
-    from torch.utils.weak import WeakIdKeyDictionary
-
-    class _NoHook:
-        """A removable-handle stand-in for a hook never installed."""
-
-        def remove(self) -> None:
-            pass
-
-    _NO_HOOK = _NoHook()
-
-    class _GlobalPeakTracker(MemTracker):
-        # kernel temporaries (remat.measure.kernels.KernelTemporaries) and the highest the
-        # held tensors plus one operator's temporaries reached
-        temporaries = None
-        kernel_peak = 0
-
-        def __init__(self) -> None:
-            super().__init__()
-            self._mod_tracker = _NoModuleHooks()
-            # storages made before the tracker started and not given to track_external
-            # (the batch): a view or in-place result of one allocates nothing
-            self._outside = WeakIdKeyDictionary()
-
-        def _track(self, reftype, t: torch.Tensor) -> None:
-            storages = get_untyped_storages(t)
-            if storages and all(st in self._outside for st in storages):
-                return
-            super()._track(reftype, t)
-
-        def track_external(self, *external: Any) -> None:
-            super().track_external(*external)
-            for obj in external:
-                if isinstance(obj, nn.Module):
-                    # MemTracker hooks every parameter's gradient, and torch refuses a hook
-                    # on a frozen one (a LoRA base, a frozen encoder): mark those as hooked
-                    for param in obj.parameters():
-                        if not param.requires_grad:
-                            self._param_to_grad_hook_handles.setdefault(
-                                param, (_NO_HOOK, _NO_HOOK))
-                    self._track_module_params_and_buffers(obj, install_grad_hooks=True)
-
-        def _update_peak_stats(self, peak_state) -> None:  # noqa: ARG002 (MemTracker's API)
-            for dev, dev_snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if active_fake_mode() is self._fake_mode_on_entry:
-                for t in tree_flatten((args, kwargs))[0]:
-                    if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
-                        for st in get_untyped_storages(t):
-                            if st not in self._WINFO:
-                                self._outside[st] = True
-            res = super().__torch_dispatch__(func, types, args, kwargs)
-            if (self.temporaries and res is not NotImplemented
-                    and active_fake_mode() is self._fake_mode_on_entry):
-                extra = self.temporaries(func, args, kwargs or {})
-                if extra:
-                    held = sum(snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()
-                               if torch.device(dev).type != "meta")
-                    self.kernel_peak = max(self.kernel_peak, held + extra)
-            return res
-
-    return _GlobalPeakTracker
 
 
 class PeakMemory:
@@ -211,7 +89,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self._tracker = _global_peak_tracker_class()()
+            self._tracker = _compat.global_peak_tracker_class()()
             self._tracker.temporaries = self.temporaries
             self._tracker.track_external(*self.modules, *self.optimizers)
             self._stack.enter_context(self._tracker)
@@ -267,14 +145,13 @@ def allocation_levels(prof: Any, device_type: str) -> tuple[list[int], list[int]
     freed by ``zero_grad``), which would put the total that much too low (a 2-block GPT's
     step: 869,704 B instead of 987,976 B on every measurement after the first).
     """
-    from torch._C._profiler import _EventType
-
+    allocation = _compat.allocation_event_tag()
     events = []
     todo = list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         node = todo.pop()
         todo.extend(node.children)
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device_type:
+        if node.tag == allocation and node.extra_fields.device.type == device_type:
             fields = node.extra_fields
             events.append((node.start_time_ns, fields.allocation_id, fields.ptr,
                            fields.alloc_size))

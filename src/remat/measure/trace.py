@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.distributed._tools import mem_tracker  # noqa: F401 - imported before forking
 
+from remat import _compat
+from remat._compat import FakeTensorMode, is_fake
 from remat.measure.memory import PeakMemory
 from remat.measure.step import autocast, lightning_micro_steps
+
+_compat.preload_mem_tracker()  # imported before forking
 
 
 @dataclass
@@ -119,7 +121,7 @@ def materialize(module: nn.Module, device: torch.device) -> nn.Module:
     Returns ``module``."""
     done: dict[int, torch.Tensor] = {}
     for mod in module.modules():
-        for table in (mod._parameters, mod._buffers):
+        for table in (_compat.parameter_table(mod), _compat.buffer_table(mod)):
             for name, tensor in list(table.items()):
                 if tensor is None:
                     continue
@@ -184,7 +186,7 @@ def _micro_peak(model: nn.Module, batch: dict[str, torch.Tensor],
         del loss
     # the batch is made before the tracker starts (the tensor-level peak, as training's
     # PeakMemoryMonitor measures it, leaves it out); the allocator holds it throughout
-    peak.allocator_peak_bytes += sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+    peak.allocator_peak_bytes += sum({_compat.storage_id(t): t.untyped_storage().nbytes()
                                       for t in batch.values()
                                       if isinstance(t, torch.Tensor)}.values())
     return peak
@@ -291,7 +293,6 @@ def _sharded_build(build: Callable[[], nn.Module], world_size: int, rank: int,
     def sharded() -> nn.Module:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.testing._internal.distributed.fake_pg import FakeStore
 
         from remat.sharding import shard
 
@@ -300,11 +301,10 @@ def _sharded_build(build: Callable[[], nn.Module], world_size: int, rank: int,
                 "a per-rank (world_size > 1) trace needs a process without a process group; "
                 "run it before torch.distributed is initialised, e.g. python -m "
                 "remat.estimate world_size=...")
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("fake", store=_compat.fake_process_group_store(), rank=rank,
+                                world_size=world_size)
         model = build()
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():  # the mesh holds a real tensor of rank ids
+        with _compat.unset_fake_temporarily():  # the mesh holds a real tensor of rank ids
             mesh = init_device_mesh(device_type=device.type, mesh_shape=(world_size,))
         shard(model.net, mesh, model.strategy_report,
               reshard_after_forward=reshard_after_forward,

@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from remat._compat import TorchDispatchMode, op_schema, tree_flatten
 from remat.measure.step import autocast
 from remat.measure.trace import run_built, sized_batch
 from remat.planner.devices import DeviceSpec
@@ -262,7 +261,7 @@ class _Recorder(TorchDispatchMode):
     def _note_writes(func: Any, args: tuple, kwargs: dict, cost: BlockCost) -> None:
         """Record in ``cost.mutated`` the block's inputs ``func`` writes in place (its
         schema's mutable arguments: ``relu_``, ``add_``, ``out=``)."""
-        schema = getattr(func, "_schema", None)
+        schema = op_schema(func, missing_ok=True)
         if schema is None or not schema.is_mutable:
             return
         for i, arg in enumerate(schema.arguments):

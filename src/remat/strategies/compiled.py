@@ -68,9 +68,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 from torch.utils.checkpoint import CheckpointPolicy
 
+from remat import _compat
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
 from remat.strategies.recompute import ChainPlan
@@ -101,11 +101,11 @@ def _draws_random_numbers(node: torch.fx.Node) -> bool:
     ``p``/``dropout_p`` or ``train=False`` (attention ops carry the tag even without
     dropout)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, _compat.OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded not in target.tags:
         return False
-    for index, arg in enumerate(target._schema.arguments):
+    for index, arg in enumerate(_compat.op_schema(target).arguments):
         value = _value_of(node, index, arg)
         if arg.name == "train" and value is False:
             return False
@@ -153,7 +153,7 @@ class _BudgetBackend:
         self.random_ops: list[str] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        config = torch._functorch.config
+        config = _compat.functorch_config()
         previous = config.joint_custom_pass
 
         def keep_random_ops(joint: torch.fx.GraphModule, joint_inputs: Any):
@@ -184,14 +184,8 @@ def trampoline(forward: Callable) -> Callable:
 
 
 def dynamo_break_messages() -> dict[str, int]:
-    """Dynamo's graph-break messages so far in this process -> how often each was met
-    (its ``counters``, categories ``graph_break`` and ``unimplemented``)."""
-    counters = getattr(getattr(torch._dynamo, "utils", None), "counters", None) or {}
-    out: dict[str, int] = {}
-    for category in ("graph_break", "unimplemented"):
-        for message, count in dict(counters.get(category, {})).items():
-            out[message] = out.get(message, 0) + count
-    return out
+    """Dynamo's graph-break messages so far in this process -> how often each was met."""
+    return _compat.dynamo_break_counts()
 
 
 def _first_line(message: str) -> str:
@@ -266,25 +260,23 @@ class CompileBudget(CheckpointStrategy):
 
     def _resolve_backend(self) -> tuple[Callable, dict[str, Any]]:
         try:
-            compiler = torch._dynamo.lookup_backend(self.backend)
+            compiler = _compat.lookup_backend(self.backend)
         except Exception as err:  # torch raises its own InvalidBackend
             raise ValueError(
                 f"unknown torch.compile backend {self.backend!r}; registered backends: "
-                f"{', '.join(torch._dynamo.list_backends())}"
+                f"{', '.join(_compat.list_backends())}"
             ) from err
         kwargs: dict[str, Any] = {}
         if self.mode not in (None, "default"):
             if self.backend != "inductor":
                 raise ValueError(f"mode={self.mode!r} needs backend='inductor', got "
                                  f"backend={self.backend!r}")
-            from torch._inductor import list_mode_options
-
-            modes = list_mode_options()
+            modes = _compat.inductor_mode_options()
             if self.mode not in modes:
                 raise ValueError(f"unknown torch.compile mode {self.mode!r}; valid modes: "
                                  f"{', '.join(modes)}")
             # what torch.compile(mode=...) hands inductor, as config patches
-            kwargs["config_patches"] = dict(list_mode_options(self.mode, self.dynamic))
+            kwargs["config_patches"] = dict(_compat.inductor_mode_options(self.mode, self.dynamic))
         return compiler, kwargs
 
     def make_backend(self, label: str) -> _BudgetBackend:
@@ -321,7 +313,7 @@ class CompileBudget(CheckpointStrategy):
         if wrap.state is None:
             wrap.state = _CompiledStage()
         wrap.calls += 1
-        if any_torch_dispatch_mode_on_stack():
+        if _compat.any_torch_dispatch_mode_on_stack():
             wrap.state.under_dispatch_mode = True
         stage = wrap.state
         fn = stage.compiled_for(self, module, wrap.path, forward)

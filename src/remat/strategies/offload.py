@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from remat import _compat
 from remat.strategies import wrapping
 from remat.strategies.base import StrategyReport
 from remat.strategies.recompute import ChainPlan
@@ -41,7 +42,7 @@ SEGMENTS = ("full", "sqrtn", "every_k")
 
 def _storage_id(t: torch.Tensor) -> int | None:
     try:
-        return t.untyped_storage()._cdata
+        return _compat.storage_id(t)
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, some subclasses
         return None
 
@@ -51,7 +52,8 @@ def is_weight(t: torch.Tensor, buffers: frozenset[int] = frozenset()) -> bool:
     a parameter, a leaf that requires grad, an autocast copy of such a leaf (its ``grad_fn``
     is ``ToCopyBackward0`` fed straight by an ``AccumulateGrad``), a view of any of these,
     or one of ``buffers`` (storage ids)."""
-    base = t._base if t._base is not None else t  # a view: judge what it views
+    base = _compat.view_base(t)
+    base = base if base is not None else t  # a view: judge what it views
     if isinstance(base, nn.Parameter):
         return True
     if base.grad_fn is None and base.requires_grad:
@@ -101,9 +103,7 @@ class HostOffload:
         if not self.moves(t):
             return None, t
         if self.host == "meta":
-            from torch._subclasses.fake_tensor import is_fake
-
-            if not is_fake(t):
+            if not _compat.is_fake(t):
                 raise ValueError("HostOffload(host='meta') is for fake traces only; a real "
                                  "tensor's values would be lost")
             return t.device, t.to("meta")

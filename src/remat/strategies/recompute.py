@@ -65,16 +65,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils import checkpoint as _ckpt
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from remat import _compat
+from remat._compat import tree_flatten, tree_unflatten
 from remat.strategies.stages import StageError
-
-# torch's non-reentrant checkpoint internals (torch 2.x); without them each call is a plain
-# torch.utils.checkpoint.checkpoint and segments of a chain are not shared.
-_HAS_FRAMES = (hasattr(_ckpt, "_CheckpointFrame") and hasattr(_ckpt, "_checkpoint_hook")
-               and hasattr(_ckpt._CheckpointFrame, "get_inputs"))
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 _CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
@@ -105,11 +100,7 @@ def _recomputing() -> Iterator[None]:
 
 def _inside_checkpoint() -> bool:
     """Whether a torch checkpoint (forward or recompute) is active around this call."""
-    try:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, TypeError):  # pragma: no cover - older torch
-        return is_recomputing()
-    return hooks is not None and getattr(hooks[0], "_checkpoint_internal", False)
+    return _compat.inside_checkpoint()
 
 
 # --- arguments: key/value caches ------------------------------------------------------
@@ -203,8 +194,7 @@ def refuse_sync_batchnorm(module: nn.Module, path: str) -> None:
 def fsdp_unit(module: nn.Module) -> Any:
     """The FSDP2 state of ``module`` if it is itself an FSDP unit (``fully_shard``), else
     ``None`` (its parameters belong to an enclosing unit, or none)."""
-    get = getattr(module, "_get_fsdp_state", None)
-    return get() if get is not None else None
+    return _compat.fsdp_state(module)
 
 
 def check_fsdp_segment(label: str, first: nn.Module, first_path: str, module: nn.Module,
@@ -241,7 +231,7 @@ class UnitState:
 
 
 def _is_norm_stat(module: nn.Module, name: str) -> bool:
-    return (name in _STAT_BUFFERS and isinstance(module, _NormBase)
+    return (name in _STAT_BUFFERS and isinstance(module, _compat.NormBase)
             and module.track_running_stats)
 
 
@@ -276,17 +266,18 @@ class _StateGuard:
             if isinstance(m, torch.jit.ScriptModule):
                 self.scripted = True
                 continue  # its state lives in TorchScript's tables (no functional_call)
-            if isinstance(m, _NormBase) and m.track_running_stats and m.training:
+            if isinstance(m, _compat.NormBase) and m.track_running_stats and m.training:
                 self.norms.append(m)
-            self.tensors.extend((m._parameters, name, p) for name, p in m._parameters.items())
-            self.tensors.extend((m._buffers, name, b) for name, b in m._buffers.items())
+            params, buffers = _compat.parameter_table(m), _compat.buffer_table(m)
+            self.tensors.extend((params, name, p) for name, p in params.items())
+            self.tensors.extend((buffers, name, b) for name, b in buffers.items())
             for value in vars(m).values():
                 if isinstance(value, torch.Generator):
                     seen.setdefault(id(value), value)
-            for name, buf in m._buffers.items():
+            for name, buf in buffers.items():
                 if not _initialised(buf) or _is_norm_stat(m, name):
                     continue
-                self._watch.append((m, name, buf, buf._version, buf.data_ptr()))
+                self._watch.append((m, name, buf, _compat.tensor_version(buf), buf.data_ptr()))
                 if not state.learned or (id(m), name) in state.stateful:
                     self.snapshot[(m, name)] = buf.detach().clone()
         # a generator's state before the call: the replay draws the same numbers
@@ -298,8 +289,8 @@ class _StateGuard:
         calls the storage (``.data = ...`` assigns a new one)."""
         changed = set()
         for m, name, buf, version, ptr in self._watch:
-            if (m._buffers.get(name) is not buf or buf._version != version
-                    or buf.data_ptr() != ptr):
+            if (_compat.buffer_table(m).get(name) is not buf
+                    or _compat.tensor_version(buf) != version or buf.data_ptr() != ptr):
                 changed.add((id(m), name))
             elif not self.state.learned and not torch.equal(buf, self.snapshot[(m, name)]):
                 changed.add((id(m), name))
@@ -334,11 +325,13 @@ def _replaying(guards: list[_StateGuard], norms: bool = True) -> Iterator[None]:
     for guard in guards:
         for m in guard.norms if norms else ():
             for name in _STAT_BUFFERS:
-                key = (id(m._buffers), name)
-                if key not in swaps and _initialised(m._buffers.get(name)):
-                    swaps[key] = (m._buffers, name, m._buffers[name].clone())
+                table = _compat.buffer_table(m)
+                key = (id(table), name)
+                if key not in swaps and _initialised(table.get(name)):
+                    swaps[key] = (table, name, table[name].clone())
         for (m, name), before in guard.snapshot.items():
-            swaps.setdefault((id(m._buffers), name), (m._buffers, name, before.clone()))
+            table = _compat.buffer_table(m)
+            swaps.setdefault((id(table), name), (table, name, before.clone()))
         for table, name, tensor in guard.tensors:
             if table.get(name) is not tensor:
                 swaps.setdefault((id(table), name), (table, name, tensor))
@@ -418,7 +411,7 @@ class _Tape:
         with _recomputing():
             try:
                 self._replay()
-            except (_ckpt._StopRecomputationError, RecomputeError):
+            except (_compat.StopRecomputationError, RecomputeError):
                 raise
             except _ckpt.CheckpointError as err:
                 self.raise_named(err)
@@ -446,7 +439,7 @@ class _Tape:
         values = []
         for i, (kept, version) in enumerate(zip(self.externals, self.versions, strict=True)):
             value = self.unpack(kept) if self.unpack is not None else kept
-            if version is not None and value._version != version:
+            if version is not None and _compat.tensor_version(value) != version:
                 raise RecomputeError(
                     f"remat: an input (argument tensor {i}) of the recomputed unit "
                     f"'{self.label}' (strategy '{self.strategy}') was changed in place after "
@@ -501,11 +494,7 @@ class Region:
         self.tape = _Tape(label, strategy.name, recompute_ctx,
                           hooks[1] if hooks is not None else None)
         self.forward_ctx = forward_ctx
-        early_stop = (_ckpt._enable_checkpoint_early_stop
-                      if _ckpt._enable_checkpoint_early_stop is not None else True)
-        self.frame = _ckpt._CheckpointFrame(
-            self.tape.replay, early_stop, self.tape.raise_named,
-            _ckpt._allowed_determinism_checks_to_fns[_ckpt._DEFAULT_DETERMINISM_MODE])
+        self.frame = _compat.new_checkpoint_frame(self.tape.replay, self.tape.raise_named)
         self.segment = segment
         self.last_index = -1
         self._first: tuple[nn.Module, str] | None = None  # its first block (FSDP check)
@@ -515,7 +504,7 @@ class Region:
     def _source(self, t: torch.Tensor) -> tuple:
         for ci in range(len(self._outputs) - 1, -1, -1):
             for li, entry in enumerate(self._outputs[ci]):
-                if entry is not None and entry[0]() is t and t._version == entry[1]:
+                if entry is not None and entry[0]() is t and _compat.tensor_version(t) == entry[1]:
                     return ("o", ci, li)
         hit = self._externals.get(id(t))
         if hit is not None and hit[0]() is t:
@@ -527,7 +516,7 @@ class Region:
             tape.versions.append(None)  # a copy: later in-place changes do not reach it
         else:
             tape.externals.append(t)
-            tape.versions.append(t._version)
+            tape.versions.append(_compat.tensor_version(t))
         self._externals[id(t)] = (weakref.ref(t), index)
         return ("e", index)
 
@@ -556,14 +545,15 @@ class Region:
             # torch's early stop ends a recompute by raising inside it; the TorchScript
             # interpreter turns that into an empty RuntimeError, so run the replay through
             self.frame.early_stop = False
-        with _ckpt._checkpoint_hook(self.frame), self.forward_ctx:
+        with _compat.checkpoint_hook(self.frame), self.forward_ctx:
             out = forward(*args, **kwargs)
         self.frame.forward_completed = True
         guard.finish()
         if getattr(self.forward_ctx, "saves_nothing", False):
             wrap.state.plain = True
-        self._outputs.append([(weakref.ref(t), t._version) if isinstance(t, torch.Tensor)
-                              else None for t in tree_flatten(out)[0]])
+        self._outputs.append([(weakref.ref(t), _compat.tensor_version(t))
+                              if isinstance(t, torch.Tensor) else None
+                              for t in tree_flatten(out)[0]])
         return out
 
 
@@ -625,34 +615,6 @@ def _checkpoint_call(forward: Callable[..., Any], args: tuple, kwargs: dict,
     return _ckpt.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
-def _public_checkpoint(strategy: Any, module: nn.Module, wrap: Any,
-                       forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Fallback for a torch without the frame internals: one plain checkpoint per call
-    (segments of a chain are then not shared, and errors do not name the unit)."""
-    if wrap.state is None:
-        wrap.state = UnitState()
-    leaves = tree_flatten((args, kwargs))[0]
-    guard = _StateGuard(module, wrap.state, tuple(
-        leaf for leaf in leaves if isinstance(leaf, torch.Generator)))
-
-    @contextlib.contextmanager
-    def replaying(recompute_ctx: Any) -> Iterator[None]:
-        with _recomputing(), _replaying([guard]), recompute_ctx:
-            guard.rewind_generators()
-            yield
-
-    def contexts() -> tuple:
-        forward_ctx, recompute_ctx = (strategy.checkpoint_contexts()
-                                      if strategy.checkpoint_contexts is not None
-                                      else (contextlib.nullcontext(), contextlib.nullcontext()))
-        return forward_ctx, replaying(recompute_ctx)
-
-    with _ckpt.set_checkpoint_early_stop(not guard.scripted):
-        out = _checkpoint_call(forward, args, kwargs, contexts)
-    guard.finish()
-    return out
-
-
 def run_recomputed(strategy: Any, module: nn.Module, wrap: Any, forward: Callable[..., Any],
                    args: tuple, kwargs: dict) -> Any:
     """The runner of every recomputing strategy (``full``, ``sqrtn``, ``every_k``,
@@ -670,8 +632,6 @@ def run_recomputed(strategy: Any, module: nn.Module, wrap: Any, forward: Callabl
     refuse_sync_batchnorm(module, wrap.path)
     if wrap.state is not None and wrap.state.plain:
         return forward(*args, **kwargs)
-    if not _HAS_FRAMES:  # pragma: no cover - older torch
-        return _public_checkpoint(strategy, module, wrap, forward, args, kwargs)
     region = (wrap.chain.region_for(strategy, wrap) if wrap.chain is not None
               else Region(strategy, wrap.path))
     return region.call(module, wrap, forward, args, kwargs)

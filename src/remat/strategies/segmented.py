@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from remat import _compat
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
 from remat.strategies.recompute import ChainPlan, refuse_sync_batchnorm, run_recomputed
@@ -32,7 +33,7 @@ def chain_members(chain: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, member)`` of a chain stage in the order it holds them, by their real names
     (an ``nn.Sequential`` built from an ``OrderedDict``, or a subclass such as MONAI's
     ``Convolution``, names them ``conv``, ``adn``, ...; its ``named_modules`` paths use those)."""
-    return [(name, m) for name, m in chain._modules.items() if m is not None]
+    return [(name, m) for name, m in _compat.child_table(chain).items() if m is not None]
 
 
 class RecomputeStrategy(CheckpointStrategy):

@@ -67,9 +67,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils import checkpoint as _ckpt
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -77,6 +74,8 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.flop_counter import flop_registry as _flop_registry
 
+from remat import _compat
+from remat._compat import FakeTensor, tree_flatten, tree_map, tree_unflatten
 from remat.strategies.segmented import RecomputeStrategy
 from remat.strategies.segments import every_k_segments
 
@@ -139,15 +138,15 @@ def resolve_ops(names: Sequence[str]) -> frozenset:
         op = getattr(torch.ops.aten, parts[0], None) if len(parts) <= 2 else None
         if op is not None and len(parts) == 2:
             op = getattr(op, parts[1], None)
-        if not isinstance(op, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
+        if not isinstance(op, _compat.OpOverloadPacket | _compat.OpOverload):
             close = difflib.get_close_matches(parts[0], dir(torch.ops.aten), n=4, cutoff=0.7)
             hint = f"; close names: {', '.join('aten.' + c for c in close)}" if close else ""
             raise ValueError(f"strategy selective: unknown op '{name}' in ops (expected "
                              f"'aten.<name>' or 'aten.<name>.<overload>'){hint}")
         overloads = ([getattr(op, o) for o in op.overloads()]
-                     if isinstance(op, torch._ops.OpOverloadPacket) else [op])
+                     if isinstance(op, _compat.OpOverloadPacket) else [op])
         if any(torch.Tag.nondeterministic_seeded in o.tags and "dropout_p" not in
-               [a.name for a in o._schema.arguments] for o in overloads):
+               [a.name for a in _compat.op_schema(o).arguments] for o in overloads):
             raise ValueError(f"strategy selective: op '{name}' draws random numbers; it is "
                              "always recomputed (the recompute replays the forward's random "
                              "stream), so it cannot be listed in ops")
@@ -160,7 +159,7 @@ def storage_key(t) -> tuple | None:
     if not isinstance(t, torch.Tensor):
         return None
     if isinstance(t, FakeTensor):  # no data pointer (remat.estimate): the storage object's id
-        return (t.device, "fake", t.untyped_storage()._cdata)
+        return (t.device, "fake", _compat.storage_id(t))
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):  # fake, meta, sparse, subclass
@@ -180,7 +179,7 @@ def _is_random(op, args, kwargs) -> bool:
     """Whether the op draws from the RNG (SDPA only when its ``dropout_p`` is not zero)."""
     if torch.Tag.nondeterministic_seeded not in op.tags:
         return False
-    for i, arg in enumerate(op._schema.arguments):
+    for i, arg in enumerate(_compat.op_schema(op).arguments):
         if arg.name == "dropout_p":
             value = kwargs.get("dropout_p", args[i] if i < len(args) else arg.default_value)
             return bool(value)
@@ -319,17 +318,18 @@ class RegionPolicy:
         out = getattr(ctx, "op_output", None)
         decision = self._decide(op, args, kwargs, out)
         self.decisions.append(decision)
-        key = _sac_key(op, args)
+        key = _compat.sac_storage_key(op, args)
         index = self._counts.get(key, 0)
         self._counts[key] = index + 1
         reads, writes = self._last
-        made = [k for ret, value in zip(op._schema.returns, _tensors_per_return(out, op._schema),
+        schema = _compat.op_schema(op)
+        made = [k for ret, value in zip(schema.returns, _tensors_per_return(out, schema),
                                         strict=False) if ret.alias_info is None
                 for k in map(self.key, value) if k is not None]
         self.ops.append(_Op(key, index, decision is _SAVE, made, reads, writes,
                             _meta(out, self.key),
                             op_flops(op, args, kwargs, out),
-                            any(r.alias_info is not None for r in op._schema.returns),
+                            any(r.alias_info is not None for r in schema.returns),
                             _is_random(op, args, kwargs)))
         return decision
 
@@ -408,8 +408,6 @@ class RegionPolicy:
         """After the block's forward, settle what the block keeps (:meth:`settle`) and
         rewrite torch's SAC cache of the block (``storage``, ``_CachingTorchDispatchMode``)
         to match: placeholders for dead ops, recompute entries for the rest."""
-        if _RECOMPUTE_ENTRY is None:
-            return  # pragma: no cover - a torch without this SAC internal
         ops = self.ops
         cached, dead_ops, dead = self.settle()
         kept_storages = set(self.kept(cached, dead))
@@ -425,13 +423,13 @@ class RegionPolicy:
                     storage[op.key][op.index] = _without(storage[op.key][op.index], op, dead)
                 continue
             if op.save:
-                storage[op.key][op.index] = _RECOMPUTE_ENTRY
+                storage[op.key][op.index] = _compat.SAC_RECOMPUTE
             # an op that runs again and writes a tensor the block did not make (a norm's
             # running statistics): the recompute must write into throw-away copies
             self.rewrites_state |= any(k not in self.produced for k in op.writes)
 
     def _decide(self, op, args, kwargs, out) -> CheckpointPolicy:
-        schema = op._schema
+        schema = _compat.op_schema(op)
         written, read = [], []
         for i, arg in enumerate(schema.arguments):
             value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only
@@ -490,15 +488,6 @@ class RegionPolicy:
         return decision
 
 
-_RECOMPUTE_ENTRY = getattr(_ckpt, "_RECOMPUTE", None)  # SAC's "run this op again" entry
-
-
-def _sac_key(op, args) -> object:
-    """The key torch's SAC storage files an op's output under (``_sac_storage_key``)."""
-    fn = getattr(_ckpt, "_sac_storage_key", None)
-    return fn(op, args) if fn is not None else op
-
-
 @contextlib.contextmanager
 def _record_packs(policy: RegionPolicy) -> Iterator[None]:
     """Saved-tensor hooks pushed above the checkpoint's own: note which storages autograd
@@ -511,7 +500,7 @@ def _record_packs(policy: RegionPolicy) -> Iterator[None]:
     with every saved tensor, and a reference cycle through them would keep the whole
     checkpoint (its inputs included) alive until the garbage collector runs.
     """
-    below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    below = _compat.top_saved_tensors_hooks()
     if below is None:
         raise RuntimeError("strategy selective: its block must run inside a checkpoint")
     pack_below, unpack_below = below
@@ -521,14 +510,9 @@ def _record_packs(policy: RegionPolicy) -> Iterator[None]:
         packed.add(key(t))
         return pack_below(t)
 
-    find_user = getattr(_ckpt, "_current_user_saved_tensors_hooks", None)
-    pack._checkpoint_internal = True  # type: ignore[attr-defined]
-    pack._user_hooks = find_user() if find_user is not None else None  # type: ignore[attr-defined]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack_below):
-            yield
-    finally:
-        del pack._user_hooks  # type: ignore[attr-defined]
+    with _compat.checkpoint_internal_hook(pack), \
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack_below):
+        yield
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -559,7 +543,7 @@ class _Contexts:
     def forward(self) -> Iterator[None]:
         with _autocast_cache_off(), _record_packs(self.policy), self.forward_mode:
             yield
-        self.policy.finish(self.forward_mode.storage)
+        self.policy.finish(_compat.sac_cache(self.forward_mode))
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:

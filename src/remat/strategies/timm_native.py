@@ -41,9 +41,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
+from remat import _compat
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
 from remat.strategies.stages import StageError, resolve_stages
@@ -100,7 +100,7 @@ class _RecomputeProbe:
         self._handles = [m.register_forward_pre_hook(self._hook) for m in target.modules()]
 
     def _hook(self, module: nn.Module, args: tuple) -> None:
-        if torch._C._current_graph_task_id() != -1:  # -1: not inside autograd's backward
+        if _compat.in_backward():
             self.recomputed = True
             self.close()
 

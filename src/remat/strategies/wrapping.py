@@ -40,15 +40,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat import _compat
 from remat.strategies.stages import StageError
 
 WRAP_ATTR = "_remat_wrap"   # the Wrap record of a wrapped module
 ROOT_ATTR = "_remat_root"   # the Root record of the model a strategy was applied to
 
-try:  # runs a function while dynamo traces, without a graph break (torch >= 2.1)
-    from torch._dynamo.comptime import comptime as _comptime
-except ImportError:  # pragma: no cover - very old torch
-    _comptime = None
+_comptime = _compat.comptime()  # runs a function while dynamo traces, without a graph break
+
 
 
 @dataclass(eq=False)
@@ -118,18 +117,15 @@ class _Forward:
 def _note_traced(ctx: Any) -> None:
     """Run by dynamo at trace time (``comptime``): set ``traced`` on the real ``wrap`` object
     of the frame being traced. Best effort: an API change only loses the note."""
-    try:
-        tracker = ctx.get_local("wrap")._i_will_not_complain_if_bc_breaks_VariableTracker()
-        tracker.value.traced = True
-    except Exception:  # noqa: BLE001 - private dynamo API; never break a compile for a note
-        pass
+    wrap = _compat.traced_local(ctx, "wrap")
+    if wrap is not None:
+        wrap.traced = True
 
 
 def mark_traced(wrap: Wrap) -> None:
     """Record, while ``torch.compile`` traces a wrapped call, that ``wrap`` is on the traced
     path: runs once per trace (not per step) and adds no graph break or guard."""
-    if _comptime is not None:
-        _comptime(_note_traced)
+    _comptime(_note_traced)
 
 
 def distinct_members(members: list[tuple[str, nn.Module]]
@@ -264,11 +260,7 @@ def arm(model: nn.Module, strategy: str) -> None:
 def disarm(model: nn.Module) -> None:
     """Remove the bypass check of :func:`arm` from ``model``."""
     model.__dict__.pop(ROOT_ATTR, None)
-    for key, hook in list(model._forward_hooks.items()):
-        if hook is _after_root_forward:
-            del model._forward_hooks[key]
-            model._forward_hooks_always_called.pop(key, None)
-            model._forward_hooks_with_kwargs.pop(key, None)
+    _compat.remove_forward_hook(model, _after_root_forward)
 
 
 def verify(model: nn.Module, strategy: str) -> None:

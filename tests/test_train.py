@@ -204,18 +204,36 @@ def test_rgb_model_on_grey_images_names_in_channels(tmp_path, isbi_root):
         train(cfg)
 
 
-def test_monitor_key_not_logged_fails_at_the_first_validation(tmp_path):
+def test_monitor_key_not_logged_fails_before_training(tmp_path):
+    """A segmentation model knows its validation keys: a monitor typo stops the run before
+    the Trainer, naming the keys it logs."""
     cfg = compose_train(tmp_path, [*TINY, "monitor=val/dcie"])
     with pytest.raises(ValueError, match=r"monitor=val/dcie is not among.*val/dice.*val/iou"):
+        train(cfg)
+    summary = _summary(tmp_path)
+    assert summary["status"] == "failed" and "global_step" not in summary  # no Trainer ran
+
+
+SEQUENCE = ["model=gpt_tiny", "data=tinyshakespeare", "data.block_size=32", "data.batch_size=4",
+            "data.train_windows=8", "data.val_windows=2", "model.sample_tokens=2"]
+
+
+def test_monitor_key_not_logged_fails_at_the_first_validation(tmp_path, shakespeare_root):
+    """A model without validation_keys() (the sequence models): the sanity check's
+    validation catches the typo."""
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, *SEQUENCE, f"data.root={shakespeare_root}",
+                                   "monitor=val/lss"])
+    with pytest.raises(ValueError, match=r"monitor=val/lss is not among.*val/loss"):
         train(cfg)
     assert _summary(tmp_path)["global_step"] == 0  # the sanity check caught it
 
 
-def test_monitor_key_checked_without_sanity_check(tmp_path):
-    cfg = compose_train(tmp_path, [*TINY, "monitor=val/dcie", "+trainer.num_sanity_val_steps=0"])
-    with pytest.raises(ValueError, match=r"monitor=val/dcie is not among"):
+def test_monitor_key_checked_without_sanity_check(tmp_path, shakespeare_root):
+    cfg = compose_train(tmp_path, [*TINY_TRAINER, *SEQUENCE, f"data.root={shakespeare_root}",
+                                   "monitor=val/lss", "+trainer.num_sanity_val_steps=0"])
+    with pytest.raises(ValueError, match=r"monitor=val/lss is not among"):
         train(cfg)
-    assert _summary(tmp_path)["global_step"] == 2  # after the first epoch's validation
+    assert _summary(tmp_path)["global_step"] > 0  # after the first epoch's validation
 
 
 def test_a_training_metric_is_a_valid_monitor(tmp_path):

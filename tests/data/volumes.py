@@ -2,8 +2,8 @@
 ``labelsTr/``, gzipped NIfTI through nibabel), for the volume tests.
 
 Each label map is drawn first (a ball of class 1 and, for 3-class tasks, a box of class 2)
-and the CT image is painted from it in Hounsfield units (soft tissue inside the window,
-air outside), so a model can learn it in a few steps and the predictions are checkable.
+and the CT image is painted from it in Hounsfield units (soft tissue inside the CT
+window), so a model can learn it in a few steps and the predictions are checkable.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def draw_labels(shape: Sequence[int], seed: int, classes: int = 2) -> np.ndarray
 
 
 def paint_ct(labels: np.ndarray, seed: int) -> np.ndarray:
-    """int16 HU image of a label map: air (-800) outside, 60 HU for class 1, 150 for 2."""
+    """int16 HU image of a label map: fat (-100) outside, 60 HU for class 1, 150 for 2."""
     rng = np.random.default_rng(seed + 1000)
-    image = np.full(labels.shape, -800.0) + rng.normal(0, 20, labels.shape)
+    image = np.full(labels.shape, -100.0) + rng.normal(0, 20, labels.shape)
     image[labels == 1] = 60 + rng.normal(0, 10, int((labels == 1).sum()))
     image[labels == 2] = 150 + rng.normal(0, 10, int((labels == 2).sum()))
     return image.astype(np.int16)

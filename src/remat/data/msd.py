@@ -220,14 +220,20 @@ def verify_volumes(pairs: Sequence[VolumePair], classes: int, channels: int,
         raise DataCheckError(f"{title}: {len(problems)} bad volume(s): " + "; ".join(problems))
 
 
+def _plain(value: Any) -> torch.Tensor:
+    """A MONAI ``MetaTensor`` (or array) as a plain tensor, metadata dropped."""
+    value = value.as_tensor() if hasattr(value, "as_tensor") else value
+    return torch.as_tensor(value)
+
+
 class ToSegSample:
     """MONAI dict -> remat sample: ``label`` ``[1, D, H, W]`` becomes ``mask`` int64
     ``[D, H, W]``; ``image`` float32 plain tensor (no MONAI metadata)."""
 
     def __call__(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        out = {"image": torch.as_tensor(data["image"]).float().contiguous()}
+        out = {"image": _plain(data["image"]).float().contiguous()}
         if "label" in data:
-            out["mask"] = torch.as_tensor(data["label"])[0].round().long().contiguous()
+            out["mask"] = _plain(data["label"])[0].round().long().contiguous()
         return out
 
 
@@ -328,6 +334,8 @@ class MSDDataModule(SplitDataModule):
 
     title = "MSD task"
     ignore_index = IGNORE_INDEX
+    #: files ``remat.predict`` reads from an input folder
+    input_suffixes = NIFTI_SUFFIXES
 
     def __init__(self, root: str | Path | None, patch_size: Sequence[int] = (96, 96, 96),
                  pixdim: Sequence[float] | None = (1.5, 1.5, 2.0), axcodes: str | None = "RAS",
@@ -398,7 +406,8 @@ class MSDDataModule(SplitDataModule):
         steps: list[Any] = [mt.LoadImaged(keys, reader="NibabelReader", image_only=True),
                             mt.EnsureChannelFirstd(keys)]
         if self.axcodes:
-            steps.append(mt.Orientationd(keys, axcodes=self.axcodes))
+            steps.append(mt.Orientationd(keys, axcodes=self.axcodes,
+                                         labels=(("L", "R"), ("P", "A"), ("I", "S"))))
         if self.pixdim is not None:
             modes = ["bilinear" if k == "image" else "nearest" for k in keys]
             steps.append(mt.Spacingd(keys, pixdim=self.pixdim, mode=modes))

@@ -12,7 +12,7 @@ weighting", sigma = 1/8 of the patch size) and of MONAI's ``sliding_window_infer
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +48,8 @@ class SlidingWindow:
 
     def __post_init__(self) -> None:
         size = self.patch_size
-        if isinstance(size, int) or len(tuple(size)) != 3:
+        volume = isinstance(size, Sequence) and not isinstance(size, str) and len(size) == 3
+        if not volume:
             as_pair(size, "model.inference.patch_size")  # raises naming the key
         else:
             as_spatial(size, 3, "model.inference.patch_size")

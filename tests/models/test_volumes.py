@@ -222,3 +222,58 @@ def test_module_is_one_for_2d_and_3d(tmp_path, task):
     model.eval()
     logits = model.infer(volume)
     assert logits.shape == (1, 1, 40, 36, 32)
+
+
+# ---------------------------------------------------------------- docs/volumes.md, run
+
+def _page_commands() -> list[str]:
+    from tests.test_readme import DOCS, bash_commands
+
+    return bash_commands(DOCS / "volumes.md")
+
+
+def _with(args: list[str], extra: list[str]) -> list[str]:
+    """``args`` with each key of ``extra`` replaced (or added): tiny sizes on top."""
+    keys = {e.split("=", 1)[0]: e for e in extra}
+    kept = [a for a in args if a.split("=", 1)[0] not in keys]
+    return [*kept, *extra]
+
+
+FAST_PAGE_COMMANDS = ("python train.py data=msd data.root=/data/Task09_Spleen "
+                      "model=monai_unet3d strategy=sqrtn", "python -m remat.eval",
+                      "python -m remat.predict")
+
+
+@pytest.mark.parametrize("command", [
+    c if c.startswith(FAST_PAGE_COMMANDS) else pytest.param(c, marks=pytest.mark.slow)
+    for c in _page_commands()])
+def test_volume_page_command_runs_at_tiny_sizes(command, task, trained, tmp_path):
+    from tests.test_readme import _app_and_args
+
+    ckpt, _ = trained
+    app, args = _app_and_args(command)
+    args = [a.replace("/data/Task09_Spleen", str(task))
+            .replace("placeholder/checkpoints/last.ckpt", str(ckpt)) for a in args]
+    model = next((a.split("=", 1)[1] for a in args if a.startswith("model=")), None)
+    quiet = ["trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    if app == "train":
+        tiny = [*PATCH, *TINY_NETS[model], *TINY_TRAINER]
+        if "strategy=budget" in args:
+            # a budget this CPU holds (the page's is for a GPU): the plan keeps what fits
+            tiny += ["strategy.device=cpu", "strategy.max_traces=2", "strategy.memory=1GiB"]
+        summary = train(compose_train(tmp_path, _with(args, tiny)))
+        assert summary["status"] == "completed" and summary["global_step"] == 1
+        assert 0.0 <= summary["metrics"]["val/dice_spleen"] <= 1.0
+    elif app == "estimate":
+        cfg = compose_config("estimate", tmp_path, _with(
+            args, [*PATCH, *TINY_NETS[model], "device=cpu"]))
+        result = estimate(cfg)
+        assert result.size == (32, 32, 32) and result.peak_bytes > 0
+    elif app == "eval":
+        result = evaluate(compose_app("eval", tmp_path, [*args, *quiet]))
+        assert 0.0 <= result["metrics"]["val/dice_spleen"] <= 1.0
+    else:
+        out = tmp_path / "spleen_masks"
+        result = predict(compose_app("predict", tmp_path / "p", [
+            *_with(args, [f"output={out}"]), *quiet]))
+        assert result["count"] == 1 and (out / "spleen_t0.nii.gz").is_file()

@@ -349,9 +349,6 @@ class MSDDataModule(SplitDataModule):
                  in_channels: int | None = None) -> None:
         super().__init__(batch_size, num_workers, pin_memory, loader_seed=seed,
                          eval_batch_size=eval_batch_size)
-        if root is None or not str(root):
-            raise ValueError("data.root is not set: give the MSD task folder (the one holding "
-                             "dataset.json), e.g. data.root=/data/Task09_Spleen")
         patch = [int(v) for v in patch_size]
         if len(patch) != 3 or min(patch) < 1:
             raise ValueError(f"data.patch_size must be [d, h, w] voxels, got {list(patch_size)}")
@@ -363,7 +360,7 @@ class MSDDataModule(SplitDataModule):
         if int(samples_per_volume) < 1:
             raise ValueError(f"data.samples_per_volume must be >= 1, got {samples_per_volume}")
         check_limits(limit_train=limit_train, limit_val=limit_val)
-        self.root = Path(str(root)).expanduser()
+        self.root = Path(str(root)).expanduser() if root is not None and str(root) else None
         self.patch_size = patch
         self.pixdim = [float(v) for v in pixdim] if pixdim is not None else None
         self.axcodes = axcodes
@@ -374,27 +371,92 @@ class MSDDataModule(SplitDataModule):
         self.verify = verify_setting(verify)
         self.cache = bool(cache)
         self.limit_train, self.limit_val = limit_train, limit_val
-        self.meta = read_dataset_json(self.root)
-        labels = {int(k): str(v) for k, v in self.meta["labels"].items()}
-        self.label_count = len(labels)
-        self.num_classes = 1 if self.label_count == 2 else self.label_count
-        self.class_names = tuple(labels[i] for i in range(self.label_count))
-        modality = self.meta.get("modality") or {"0": "unknown"}
-        self.modality = [str(modality[k]) for k in sorted(modality, key=int)]
-        self.in_channels = len(self.modality)
-        for key, given, read in (("num_classes", num_classes, self.num_classes),
-                                 ("in_channels", in_channels, self.in_channels),
-                                 ("class_names", class_names, self.class_names)):
-            if given is not None and (tuple(given) if key == "class_names" else given) != read:
-                raise ValueError(f"data.{key}={given!r} but {self.root / 'dataset.json'} "
-                                 f"gives {read!r}; leave data.{key} to follow dataset.json")
-        self.intensity = (("ct" if self.modality[0].upper() == "CT" else "zscore")
-                          if intensity == "auto" else intensity)
+        self._given = {"num_classes": num_classes, "in_channels": in_channels,
+                       "class_names": tuple(class_names) if class_names is not None else None}
+        self._intensity = intensity
+        self._task: dict[str, Any] | None = None
+        if self.root is not None:
+            self._read()  # a missing or bad dataset.json is named at construction
         self.pairs: dict[str, VolumePair] = {}
         self.splits: dict[str, list[str]] = {}
         self._verified: set[str] = set()
         #: serve every labelled volume as the val split (``remat.eval split=all``)
         self.eval_all = False
+
+    # ---------------------------------------------------------------- dataset.json
+
+    def _read(self) -> dict[str, Any]:
+        """What ``dataset.json`` says (read once), checked against the config's values.
+
+        Raises:
+            ValueError: ``data.root`` unset; a malformed ``dataset.json``; a config value
+                that differs from it.
+            FileNotFoundError: no ``dataset.json``.
+        """
+        if self._task is not None:
+            return self._task
+        if self.root is None:
+            raise ValueError("data.root is not set: give the MSD task folder (the one holding "
+                             "dataset.json), e.g. data.root=/data/Task09_Spleen")
+        meta = read_dataset_json(self.root)
+        labels = {int(k): str(v) for k, v in meta["labels"].items()}
+        count = len(labels)
+        modality = meta.get("modality") or {"0": "unknown"}
+        modalities = [str(modality[k]) for k in sorted(modality, key=int)]
+        task = {"meta": meta, "label_count": count,
+                "num_classes": 1 if count == 2 else count,
+                "class_names": tuple(labels[i] for i in range(count)),
+                "modality": modalities, "in_channels": len(modalities),
+                "intensity": (("ct" if modalities[0].upper() == "CT" else "zscore")
+                              if self._intensity == "auto" else self._intensity)}
+        for key, given in self._given.items():
+            if given is not None and given != task[key]:
+                raise ValueError(f"data.{key}={given!r} but {self.root / 'dataset.json'} "
+                                 f"gives {task[key]!r}; leave data.{key} to follow dataset.json")
+        self._task = task
+        return task
+
+    def _fact(self, key: str, default: Any) -> Any:
+        if self.root is None:  # setup() names the missing root
+            given = self._given.get(key)
+            return default if given is None else given
+        return self._read()[key]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """``dataset.json`` as read."""
+        return self._read()["meta"]
+
+    @property
+    def num_classes(self) -> int:
+        """1 for two labels (binary), else the label count."""
+        return self._fact("num_classes", 1)
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """Label names in value order (background first)."""
+        return self._fact("class_names", ("background", "foreground"))
+
+    @property
+    def in_channels(self) -> int:
+        """Modalities (image channels)."""
+        return self._fact("in_channels", 1)
+
+    @property
+    def label_count(self) -> int:
+        """Label values ``dataset.json`` allows (``0..label_count-1``)."""
+        return self._fact("label_count", 2)
+
+    @property
+    def modality(self) -> list[str]:
+        """``dataset.json``'s modality names, in channel order."""
+        return self._fact("modality", ["unknown"])
+
+    @property
+    def intensity(self) -> str:
+        """The intensity scaling in use (``auto`` resolved by the modality)."""
+        return self._fact("intensity", "zscore" if self._intensity == "auto"
+                          else self._intensity)
 
     # ---------------------------------------------------------------- transforms
 
@@ -464,6 +526,7 @@ class MSDDataModule(SplitDataModule):
     def setup(self, stage: str | None = None) -> None:
         """List and split the volumes, run the data check on the splits ``stage`` reads,
         and build the datasets."""
+        self._read()
         if not self.pairs:
             pairs = self.list_pairs()
             self.pairs = {p.name: p for p in pairs}

@@ -27,6 +27,7 @@ TINY_NETS = {
     "monai_swinunetr3d": ["model.net.feature_size=12", "model.net.num_heads=[1,1,2,2]",
                           "model.net.norm_name=batch"],  # batch norm: a 32^3 patch suffices
     "monai_segresnet3d": ["model.net.init_filters=8"],
+    "monai_dynunet3d": ["model.net.filters=[4,8,16,32,32]"],
 }
 STAGES = {
     "monai_unet3d": ["model.0", "model.1.submodule.0", "model.1.submodule.1.submodule.0",
@@ -35,6 +36,7 @@ STAGES = {
     "monai_swinunetr3d": [f"swinViT.layers{i}.0.blocks" for i in range(1, 5)],
     "monai_segresnet3d": [*(f"down_layers.{i}" for i in range(4)),
                           *(f"up_layers.{i}" for i in range(3))],
+    "monai_dynunet3d": ["input_block", *(f"downsamples.{i}" for i in range(3)), "bottleneck"],
 }
 PATCH = ["data.patch_size=[32,32,32]", "data.pixdim=null", "data.batch_size=2",
          "data.samples_per_volume=1"]
@@ -57,6 +59,7 @@ def _gradients(cfg, batch) -> tuple[float, dict[str, torch.Tensor], list[str]]:
     model.train()
     loss = model.training_loss(batch)
     loss.backward()
+    model.strategy.verify(model.net)  # every wrapped unit was on the path the net ran
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return float(loss.detach()), grads, list(model.strategy_report.wrapped)
 
@@ -277,3 +280,10 @@ def test_volume_page_command_runs_at_tiny_sizes(command, task, trained, tmp_path
         result = predict(compose_app("predict", tmp_path / "p", [
             *_with(args, [f"output={out}"]), *quiet]))
         assert result["count"] == 1 and (out / "spleen_t0.nii.gz").is_file()
+
+
+def test_step_timing_counts_voxels_of_volume_batches():
+    from remat.callbacks.timing import _batch_counts
+
+    batch = {"image": torch.zeros(2, 1, 8, 16, 32), "mask": torch.zeros(2, 8, 16, 32)}
+    assert _batch_counts(batch) == {"samples": 2, "voxels": 2 * 8 * 16 * 32}

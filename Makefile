@@ -20,11 +20,16 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py $(ARGS)
 
+# pytest-xdist workers; tests that share a module's fixture or start multi-process runs keep
+# to one worker (--dist loadgroup in pyproject.toml, groups in tests/conftest.py)
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS)
+
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(XDIST) $(ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -m "" $(ARGS)
+	$(PY) -m pytest $(XDIST) -m "" --timeout 1200 $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests train.py

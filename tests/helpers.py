@@ -122,3 +122,69 @@ class SigtermWhenBuilt(L.Callback):
 
     def __init__(self) -> None:
         os.kill(os.getpid(), signal_module.SIGTERM)
+
+
+class RecordLosses(L.Callback):
+    """Test helper: every rank appends ``<global step> <loss>`` of each training batch to
+    ``<folder>/losses_rank<r>.txt`` (the loss this rank computed, ``repr`` of the float, so
+    values compare bit for bit), across a run and its resumes."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: object, batch: object, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / f"losses_rank{trainer.global_rank}.txt").open("a") as handle:
+            handle.write(f"{trainer.global_step} {float(loss)!r}\n")
+
+
+def rank_losses(folder: Path, rank: int) -> dict[int, float]:
+    """``global step -> loss`` that :class:`RecordLosses` wrote for ``rank`` (a step written
+    twice is an error: a resumed run must not repeat a step)."""
+    values: dict[int, float] = {}
+    for line in (Path(folder) / f"losses_rank{rank}.txt").read_text().splitlines():
+        step, loss = line.split()
+        assert int(step) not in values, f"step {step} trained twice on rank {rank} in {folder}"
+        values[int(step)] = float(loss)
+    return values
+
+
+class SignalAtValidation(L.Callback):
+    """Test helper: global rank ``rank`` sends ``signal`` to itself when validation batch
+    ``batch`` of epoch ``epoch`` starts (not in the sanity check)."""
+
+    def __init__(self, epoch: int, rank: int = 0, batch: int = 0,
+                 signal: str = "SIGTERM") -> None:
+        self.epoch, self.rank, self.batch = epoch, rank, batch
+        self.signal = getattr(signal_module, signal)
+        self.sent = False
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                  batch: object, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        if (not self.sent and not trainer.sanity_checking and trainer.global_rank == self.rank
+                and trainer.current_epoch == self.epoch and batch_idx == self.batch):
+            self.sent = True
+            os.kill(os.getpid(), self.signal)
+
+
+class RecordException(L.Callback):
+    """Test helper: every rank writes the name of the exception that ended its fit, or
+    ``none`` after a fit that ended normally, to ``<folder>/ended_rank<r>.txt``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def _write(self, trainer: L.Trainer, text: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"ended_rank{trainer.global_rank}.txt").write_text(text)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:
+        self._write(trainer, type(exception).__name__)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._write(trainer, "none")

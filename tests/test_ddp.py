@@ -10,8 +10,11 @@ import torch
 from torch.utils.data import default_collate
 
 from tests.ddp_script import make_module, make_windows
+from tests.strategies import axes
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
+# multi-process runs (gloo ports, 2 processes each) run one at a time under xdist
+pytestmark = pytest.mark.xdist_group("gloo")
 
 
 def _single_process_grads(strategy: str, samples: int) -> dict[str, torch.Tensor]:
@@ -21,17 +24,21 @@ def _single_process_grads(strategy: str, samples: int) -> dict[str, torch.Tensor
     return {n: p.grad for n, p in module.named_parameters()}
 
 
-@pytest.mark.parametrize("strategy,accumulate,launcher", [
-    ("sqrtn", 2, "ddp"), ("selective", 2, "ddp"),
-    pytest.param("offload", 1, "ddp", marks=pytest.mark.slow),  # no recompute: test-all
-    # none and full take the same path as the rows above (one region per unit): test-all
-    pytest.param("none", 1, "ddp", marks=pytest.mark.slow),
-    pytest.param("full", 1, "ddp", marks=pytest.mark.slow),
-    # ddp_spawn pickles the wrapped module into each process (every strategy's pickling is
-    # tested in-process: tests/strategies/test_mechanism.py)
-    ("every_k", 2, "ddp_spawn"),
-    pytest.param("selective", 1, "ddp_spawn", marks=pytest.mark.slow),
-    pytest.param("offload", 1, "ddp_spawn", marks=pytest.mark.slow)])
+# launcher ddp: sqrtn with accumulation in `make test` (about 20 s a launch on 2 cores);
+# selective with accumulation, and every other eager strategy of the registry, in test-all
+# (none and full take the same path as sqrtn: one region per unit; selective's recompute on
+# 2 ranks with accumulation is checked in `make test` by tests/test_fsdp.py)
+DDP = [("sqrtn", 2, "ddp"), pytest.param("selective", 2, "ddp", marks=pytest.mark.slow),
+       *(pytest.param(name, 1, "ddp", marks=pytest.mark.slow)
+         for name in axes.names(axes.eager, baseline=True) if name not in ("sqrtn", "selective"))]
+# ddp_spawn pickles the wrapped module into each process (every strategy's pickling is
+# tested in-process: tests/strategies/test_mechanism.py)
+SPAWN = [("every_k", 2, "ddp_spawn"),
+         pytest.param("selective", 1, "ddp_spawn", marks=pytest.mark.slow),
+         pytest.param("offload", 1, "ddp_spawn", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("strategy,accumulate,launcher", [*DDP, *SPAWN])
 def test_ddp_gradients_equal_on_ranks_and_to_full_batch(tmp_path, strategy, accumulate,
                                                         launcher):
     path = os.pathsep.join([str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")])

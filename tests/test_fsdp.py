@@ -16,15 +16,19 @@ import pytest
 import torch
 
 from tests.fsdp_script import MEMORY_BATCH, STEPS, memory_module, run_case
+from tests.strategies import axes
 
 SCRIPT = Path(__file__).with_name("fsdp_script.py")
-STRATEGIES = ["none", "full", "sqrtn", "every_k", "selective", "offload", "compile"]
+# multi-process runs (gloo ports, 2 processes each) run one at a time under xdist
+pytestmark = pytest.mark.xdist_group("gloo")
+STRATEGIES = axes.names(lambda s: s.shardable, baseline=True)
+COMPILED = axes.names(axes.compiled)
 # compiled code is checked in fp32 without accumulation only: each compiled case costs the
 # launch a compile on both ranks (about 5 s), and accumulation and bf16 are the eager
 # strategies' concern (the compiled graph is the same)
 CASES = [f"{s}:{a}:{p}" for s in STRATEGIES
          for a, p in ((1, "32-true"), (2, "32-true"), (1, "bf16-mixed"))
-         if s != "compile" or (a, p) == (1, "32-true")]
+         if s not in COMPILED or (a, p) == (1, "32-true")]
 MEMORY = ["memory:none", "memory:sqrtn", "memory:selective"]
 NORMS = ["bn:none", "bn:full", "bn:sqrtn", "bn:selective", "bn:offload"]
 

@@ -20,9 +20,11 @@ from remat.models.checks import (
 )
 from remat.train import train
 from tests.fsdp_resume_script import overrides
-from tests.helpers import compose_train, logged, run_python, subprocess_env
+from tests.helpers import compose_train, logged, rank_losses, run_python, subprocess_env
 
 SCRIPT = Path(__file__).with_name("fsdp_resume_script.py")
+# multi-process runs (gloo ports, 2 processes each) run one at a time under xdist
+pytestmark = pytest.mark.xdist_group("gloo")
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,27 @@ def test_sharded_resume_on_2_processes_repeats_the_uninterrupted_run(runs, tmp_p
     sharding = json.loads((straight / "summary.json").read_text())["sharding"]
     assert sharding == {"units": [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]],
                         "world_size": 2, "reshard_after_forward": True}
+    # the run's measured peak is the highest rank's; each rank's is kept beside it
+    summary = json.loads((straight / "summary.json").read_text())
+    ranks = summary["peak_memory_per_rank_bytes"]
+    assert len(ranks) == 2 and all(isinstance(p, int) and p > 0 for p in ranks)
+    assert summary["peak_memory_bytes"] == max(ranks)
+
+
+def test_kill_inside_an_epoch_then_resume_repeats_every_rank_s_losses(runs, tmp_path):
+    """The text loader's windows (a WindowSampler) shared over 2 FSDP ranks: after a stop
+    inside epoch 1 each rank trains the rest of its share of that epoch's windows."""
+    straight, killed = runs / "straight", runs / "killed"
+    assert [(killed / f"exit_rank{r}").read_text() for r in (0, 1)] == ["143", "143"]
+    for rank in (0, 1):
+        reference = rank_losses(straight, rank)
+        assert sorted(reference) == list(range(1, 7))
+        assert rank_losses(killed, rank) == reference, rank
+    assert rank_losses(straight, 0) != rank_losses(straight, 1)
+    ours = _state(killed / "checkpoints" / "last.ckpt", tmp_path)
+    theirs = _state(straight / "checkpoints" / "last.ckpt", tmp_path)
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
 
 
 def test_full_checkpoint_resumes_on_one_process_without_fsdp(runs, tmp_path,

@@ -19,6 +19,9 @@ TINY = ["data.image_size=32", "data.num_train=6", "data.num_val=2", "data.batch_
         "model.arch_kwargs.decoder_channels=[16,16,8,8,8]"]
 
 
+# ~70 s on 2 cores: a real multirun's report (SweepReport, the CLI, the plots) is checked in
+# `make test` by tests/test_sweep.py; this adds the 2 x 2 grid's rows and their order
+@pytest.mark.slow
 def test_multirun_then_report_gives_four_rows_and_plots(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_python([str(REPO / "train.py"), "-m", "strategy=none,sqrtn",

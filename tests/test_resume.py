@@ -81,9 +81,14 @@ def assert_same_run(reference: Path, resumed: Path, steps: int) -> None:
         assert torch.equal(res["state_dict"][key], value), key
 
 
+# 3 subprocess train runs each (the reference too), so test-all. In `make test`,
+# tests/test_resume_run_config.py stops a run by SIGTERM and resumes it bit for bit through
+# the command line, and test_a_max_steps_stop_inside_an_epoch_resumes_that_epoch resumes this
+# GPT (dropout, seeded sampler) bit for bit in process.
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [
     pytest.param(2, id="mid-epoch"),
-    pytest.param(5, id="last-batch-of-epoch", marks=pytest.mark.slow),  # ~30 s
+    pytest.param(5, id="last-batch-of-epoch"),
 ])
 def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, shakespeare_root,
                                                             gpt_reference, step):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from remat.run_config import restore_run_config, resume_args, run_overrides
@@ -39,26 +40,42 @@ def runs(tmp_path_factory):
     run = root / "run"
     first = run_python([train_py, *RUN, *kill, f"hydra.run.dir={run}"], cwd=root)
     assert first.returncode == 143, first.stderr[-3000:]
-    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    stopped = json.loads((run / "summary.json").read_text())
+    stopped["checkpoint_step"] = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu",
+                                            weights_only=False)["global_step"]
     kept = files_of(run)
     resumed = run_python([train_py, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"],
                          cwd=root)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return root / "ref", run, kept
+    return root / "ref", run, kept, stopped
+
+
+def test_sigterm_saves_the_step_it_interrupted_and_says_so(runs):
+    _, run, _, stopped = runs
+    assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGTERM"
+    assert stopped["error"] == "stopped by SIGTERM"
+    # the signal arrived while step 4 ran: that step completes, is saved, then the run stops
+    assert stopped["global_step"] == 4 == stopped["checkpoint_step"]
+    assert stopped["last_model_path"] == str(run / "checkpoints" / "last.ckpt")
 
 
 def test_ckpt_path_alone_continues_the_run_exactly(runs):
-    reference, run, _ = runs
+    reference, run, _, _ = runs
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["global_step"] == 8
     losses = logged(reference, "train/loss_step")
     assert sorted(losses) == list(range(8))
     assert logged(run, "train/loss_step") == losses  # the same 8 steps, bit for bit
     assert logged(run, "val/loss") == logged(reference, "val/loss")
+    ours, theirs = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu",
+                               weights_only=False) for r in (run, reference))
+    assert ours["global_step"] == theirs["global_step"] == 8
+    for key, value in theirs["state_dict"].items():
+        assert torch.equal(ours["state_dict"][key], value), key
 
 
 def test_a_resume_keeps_the_runs_files_and_records_its_attempt(runs):
-    _, run, kept = runs
+    _, run, kept, _ = runs
     now = files_of(run)
     for name in ("config.yaml", ".hydra/config.yaml", ".hydra/overrides.yaml",
                  ".hydra/hydra.yaml"):
@@ -73,7 +90,7 @@ def test_a_resume_keeps_the_runs_files_and_records_its_attempt(runs):
 
 
 def test_a_failed_resume_leaves_every_file_byte_identical(runs, tmp_path):
-    _, run, _ = runs
+    _, run, _, _ = runs
     before = files_of(run)
     bad = run_python([str(REPO / "train.py"), "ckpt_path=last", f"hydra.run.dir={run}",
                       "precision=bogus"], cwd=tmp_path)

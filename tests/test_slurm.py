@@ -3,6 +3,7 @@ sbatch script submitit writes from it asks SLURM for one task per GPU on every n
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,64 @@ def test_ranks_above_zero_share_rank_zeros_run_folder(monkeypatch, tmp_path, env
         assert (folder / ".lock").exists() is not secondary
     finally:
         release_run_dir(folder)
+
+
+def test_a_resubmitted_job_resumes_from_its_last_checkpoint(tmp_path, monkeypatch):
+    """What submitit calls on preemption/time-out (the launcher's ``checkpoint``) resubmits
+    the job with its own arguments and ``ckpt_path=last``."""
+    from hydra.utils import get_class
+
+    from remat.slurm import SlurmLauncher, resumed_overrides
+
+    cfg = compose_train(tmp_path / "run", OVERRIDES)
+    assert get_class(cfg.hydra.launcher._target_) is SlurmLauncher
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    params.pop("_target_")
+    launcher = SlurmLauncher(**params)
+    delayed = launcher.checkpoint(["strategy=sqrtn", "ckpt_path=/old/last.ckpt"],
+                                  "hydra.sweep.dir", 3, "job_id_for_3", {"state": 1})
+    assert delayed.function is launcher
+    assert delayed.args == (["strategy=sqrtn", "ckpt_path=last"], "hydra.sweep.dir", 3,
+                            "job_id_for_3", {"state": 1})
+    assert resumed_overrides(["+ckpt_path=x", "a=1"]) == ["a=1", "ckpt_path=last"]
+
+
+def test_preemption_signal_writes_the_checkpoint_before_the_requeue(tmp_path, monkeypatch):
+    """A stand-in for submitit's USR2 handler (requeue) is installed when training starts:
+    the signal is held until the optimizer step is complete, the checkpoint is written, then
+    the handler runs once; the resubmitted job (``ckpt_path=last``, same folder) trains the
+    rest with the uninterrupted run's per-step losses."""
+    import signal
+
+    import torch
+
+    from remat.train import train
+    from tests.helpers import TINY_TRAINER, logged
+
+    monkeypatch.delenv("SUBMITIT_PREEMPT_SIGNAL", raising=False)
+    base = ["data.image_size=32", "data.num_train=8", "data.num_val=2", "data.batch_size=2",
+            "model.arch_kwargs.decoder_channels=[16,16,8,8,8]", *TINY_TRAINER,
+            "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
+    train(compose_train(tmp_path / "straight", base))
+    run = tmp_path / "run"
+    calls = []
+
+    def requeue(signum, frame):  # what submitit's handler would do, on rank 0
+        calls.append((signum, torch.load(run / "checkpoints" / "last.ckpt",
+                                         weights_only=False)["global_step"]))
+
+    previous = signal.signal(signal.SIGUSR2, requeue)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            train(compose_train(run, [*base, "+callbacks.kill._target_=tests.helpers.SignalAtStep",
+                                      "+callbacks.kill.step=1", "+callbacks.kill.signal=SIGUSR2"]))
+        assert stop.value.code == 128 + signal.SIGUSR2
+        assert calls == [(signal.SIGUSR2, 2)]  # step 2 written (mid-epoch), then the handler
+        assert signal.getsignal(signal.SIGUSR2) is requeue  # given back after training
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and summary["signal"] == "SIGUSR2"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    resumed = train(compose_train(run, [*base, "ckpt_path=last"]))  # the resubmitted job
+    assert resumed["status"] == "completed" and resumed["global_step"] == 8
+    assert logged(run, "train/loss_step") == logged(tmp_path / "straight", "train/loss_step")

@@ -1,6 +1,7 @@
 """Sweep presets and launchers: constant effective batch, and a failing job does not stop
 the others (real submitit_local multirun)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from remat.report import main as report_main
 from remat.reporting import collect
 from remat.train import train
 from tests.helpers import TINY_TRAINER, compose_train
@@ -67,3 +69,14 @@ def test_submitit_local_multirun_with_one_failing_job(tmp_path):
     assert list((sweep / ".submitit").glob("*")), "jobs did not go through submitit"
     jobs = collect(sweep)
     assert [(j.job, j.status) for j in jobs] == [("0", "completed"), ("1", "failed")]
+    # the sweep's own Hydra callback (SweepReport) reported every job, the failed one too
+    rows = (sweep / "report.md").read_text().splitlines()
+    assert [r.split("|")[1:3] for r in rows[2:]] == [[" 0 ", " completed "], [" 1 ", " failed "]]
+    for name in ("report_memory_time.png", "report_metric_memory.png"):
+        assert (sweep / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # and `python -m remat.report <sweep>` reads the real multirun into its CSV
+    (sweep / "report.csv").unlink()
+    assert report_main([str(sweep)]) == 0
+    csv_rows = list(csv.DictReader((sweep / "report.csv").open()))
+    assert [(r["job"], r["status"]) for r in csv_rows] == [("0", "completed"), ("1", "failed")]
+    assert int(csv_rows[0]["peak_memory_bytes"]) > 0

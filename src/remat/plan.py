@@ -73,7 +73,9 @@ def train_overrides(path: Path, micro_batch: int | None = None,
     (model, data, sizes, precision; under Hydra) less the planner's keys, then, for a
     micro-batch of the search, ``data.batch_size=<micro_batch>
     accumulate_grad_batches=<accumulate>`` in place of the call's, and ``strategy=plan
-    strategy.path=<path>``."""
+    strategy.path=<path>``. A sequence model planned on synthetic tokens
+    (``+data.block_size=N`` without ``data=``) trains on ``data=tinyshakespeare
+    data.block_size=N``: the default data gives images."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -92,6 +94,13 @@ def train_overrides(path: Path, micro_batch: int | None = None,
         kept.append(override)
     if micro_batch:
         kept += [f"data.batch_size={micro_batch}", f"accumulate_grad_batches={accumulate}"]
+    keys = [o.split("=", 1)[0] for o in kept]
+    if "+data.block_size" in keys and "data" not in keys:
+        # a sequence model planned on synthetic tokens (no data= given: the default image
+        # data with a block size added); training needs a text dataset, whose
+        # data.block_size takes no '+'
+        at = keys.index("+data.block_size")
+        kept[at:at + 1] = ["data=tinyshakespeare", kept[at][1:]]
     return [*kept, "strategy=plan", f"strategy.path={path}"]
 
 

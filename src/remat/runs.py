@@ -99,6 +99,22 @@ def exit_code(err: BaseException, callbacks: list[Any]) -> int | None:
     return 128 + int(getattr(signal, name))
 
 
+def hand_on_preemption(callbacks: list[Any]) -> None:
+    """After a run stopped by the scheduler's preemption signal, with its checkpoint
+    written: call the handler :class:`~remat.callbacks.LastCheckpoint` held back (submitit's:
+    on rank 0 it resubmits the job, :class:`remat.slurm.SlurmLauncher` with
+    ``ckpt_path=last``, and exits). Nothing for any other stop."""
+    last = next((c for c in callbacks if isinstance(c, LastCheckpoint)), None)
+    deferred = getattr(last, "deferred", None)
+    if deferred is None:
+        return
+    last.deferred = None
+    signum, handler = deferred
+    log.warning("%s: handing the job to the scheduler's handler (checkpoint written at "
+                "global step %s)", signal.Signals(signum).name, last.saved_step)
+    handler(signum, None)
+
+
 def resolve_last(cfg: DictConfig) -> str | None:
     """The file ``ckpt_path=last`` names, found before the Trainer exists: the newest
     ``last.ckpt``/``last-<n>.ckpt`` in the checkpoint folders of the configured callbacks

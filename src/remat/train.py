@@ -26,7 +26,7 @@ from remat.callbacks import RunSummary, failure_summary
 from remat.callbacks.run_dir import run_dir_claimed
 from remat.config import check_top_level, config_dir
 from remat.errors import mark_in_loop, run_entry
-from remat.models.checks import check_checkpoint_fits, check_model_fits_data
+from remat.models.checks import check_checkpoint_fits, check_model_fits_data, check_monitor
 from remat.planner import InfeasibleBudget, PlanInputError, PlanMismatch
 from remat.planner.run import plan_for_run, resumed_replay
 from remat.run_config import resume_args
@@ -34,6 +34,7 @@ from remat.runs import (  # noqa: F401 - instantiate_group, resolve_last: part o
     RunStart,
     checkpoint_to_resume,
     exit_code,
+    hand_on_preemption,
     hydra_choice,
     instantiate_group,
     resolve_last,
@@ -95,6 +96,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
                 check_model_fits_data(model, datamodule, hydra_choice("model"),
                                       hydra_choice("data"))
+                check_monitor(cfg, model)
                 if ckpt is not None:
                     check_checkpoint_fits(model, ckpt, ckpt_path)
                     del ckpt  # Lightning reads the file again in fit, with the optimizer state
@@ -112,6 +114,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 start.record_failure(failure_summary(cfg, err))
             code = exit_code(err, callbacks)
             if code is not None:
+                hand_on_preemption(callbacks)  # a preempted SLURM job is resubmitted here
                 raise SystemExit(code) from err
             raise
         summary_cb = next((c for c in callbacks if isinstance(c, RunSummary)), None)

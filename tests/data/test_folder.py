@@ -210,6 +210,29 @@ def test_jpeg_masks_without_a_threshold_are_reported(tmp_path):
     dm.setup("fit")  # the fix the message gives
 
 
+@pytest.mark.parametrize("options", [{}, {"threshold": 128}], ids=["default", "threshold"])
+@pytest.mark.parametrize("encoding,fix", [
+    ("palette", "is a palette PNG using 3 palette indices (0, 1, 2): a mask with several "
+                "classes, which a binary encoding reads as one foreground; use "
+                "data.mask_encoding=palette data.num_classes=3"),
+    ("index", "holds 3 small values (0, 1, 2): a label map with several classes, which a "
+              "binary encoding reads as one foreground; use data.mask_encoding=index "
+              "data.num_classes=3")])
+def test_several_class_masks_under_a_binary_encoding_are_refused(tmp_path, encoding, fix,
+                                                                 options):
+    """3-class palette PNGs (or grey label maps) left at the default binary encoding: the
+    check named JPEG noise and suggested data.threshold=128, under which the run trained
+    silently on class 2 alone (class 1's grey 76 fell below the threshold)."""
+    write_folder(tmp_path, n=3, encoding=encoding, classes=3)
+    with pytest.raises(DataCheckError) as info:
+        FolderSegDataModule(tmp_path, patch_size=16, **options).setup("fit")
+    assert str(info.value).count(fix) == 3
+    assert "compression noise" not in str(info.value)
+    dm = FolderSegDataModule(tmp_path, patch_size=16, mask_encoding=encoding, num_classes=3)
+    dm.setup("fit")  # the fix the message gives
+    assert dm.num_classes == 3
+
+
 def test_split_folders_csv_and_split_file(tmp_path):
     for split, n in (("train", 3), ("val", 2), ("test", 1)):
         write_folder(tmp_path / "tree" / split, n=n, seed=10 * n)
@@ -300,6 +323,22 @@ def test_training_on_a_folder_takes_the_classes_from_the_data_keys(tmp_path, enc
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["global_step"] == 2
     assert 0.0 <= summary["metrics"][metric] <= 1.0
+
+
+def test_a_monitor_the_model_does_not_log_stops_the_run_before_lightning(tmp_path):
+    """3-class masks with train.yaml's monitor=val/dice: refused before the Trainer with the
+    key to use (it failed after the sanity check with a 40-line traceback)."""
+    write_folder(tmp_path / "data", n=4, encoding="palette", classes=3)
+    out = tmp_path / "run"
+    cfg = compose_train(out, [*TINY_TRAINER, "data=folder", f"data.root={tmp_path / 'data'}",
+                              "data.mask_encoding=palette", "data.num_classes=3",
+                              "data.patch_size=16", "data.batch_size=2"])
+    with pytest.raises(ValueError, match=r"monitor=val/dice is not among the metrics this "
+                                         r"model logs in validation \(val/loss, val/acc, val/miou, "
+                                         r".*\); set monitor=val/miou monitor_mode=max"):
+        train(cfg)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and "global_step" not in summary
 
 
 def test_a_folder_without_the_layout_says_what_it_expected(tmp_path):

@@ -74,7 +74,9 @@ def test_output_channels_that_differ_from_num_classes_fail_at_build(tmp_path):
     message = str(info.value.__cause__ or info.value)
     assert ("model.net (tests.models.nets.TinyUNet) returns logits of shape (1, 3, 64, 64) for "
             "a [1, 3, 64, 64] input, but model.num_classes=1 (1 = binary) needs [1, 1, 64, 64]; "
-            "set model.num_classes=3 (data=folder: data.num_classes=3)") in message
+            "build the net with 1 output channel(s) (its out_channels or classes argument), or, "
+            "if the masks hold 3 classes, set model.num_classes=3 (data=folder: "
+            "data.num_classes=3)") in message
     with pytest.raises(InstantiationException, match="returns tuple, not a tensor"):
         built(tmp_path, ["model=custom", "model.net._target_=tests.models.nets.ReturnsTuple"])
 

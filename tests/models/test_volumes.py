@@ -219,6 +219,7 @@ def test_module_is_one_for_2d_and_3d(tmp_path, task):
     assert cfg.model._target_ == "remat.models.SegmentationModule"
     model = instantiate(cfg.model)
     assert isinstance(model, SegmentationModule) and model.spatial_dims == 3
+    assert model.validation_keys() == ["val/loss", "val/dice_spleen", "val/dice"]
     with pytest.raises(ValueError, match="spatial_dims=3 needs a 3D network"):
         SegmentationModule(spatial_dims=3)
     volume = torch.randn(1, 1, 40, 36, 32)  # no multiple of the window: windows overlap

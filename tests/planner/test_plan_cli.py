@@ -278,6 +278,15 @@ def test_the_printed_train_command_chooses_an_experiment_as_train_py_does(tmp_pa
                          f"strategy.path={tmp_path / 'plan.json'}"]
     cfg = compose_train(tmp_path / "train2", overrides)
     assert (cfg.monitor, cfg.monitor_mode) == ("val/loss", "min")
+    # planned on synthetic tokens (no data=): the command trains on a text dataset (the
+    # default data gives images, and train.py failed in its datamodule on block_size)
+    compose_app("plan", tmp_path / "plan3", ["model=gpt_tiny", "+data.block_size=64",
+                                             "strategy.memory=1GiB"])
+    overrides = train_overrides(tmp_path / "plan.json")
+    assert overrides == ["model=gpt_tiny", "data=tinyshakespeare", "data.block_size=64",
+                         "strategy=plan", f"strategy.path={tmp_path / 'plan.json'}"]
+    cfg = compose_train(tmp_path / "train3", overrides)
+    assert cfg.data.block_size == 64 and "tinyshakespeare" in str(cfg.data.root)
 
 
 def test_remat_plan_does_not_overwrite_a_plan_a_run_may_train_with(tmp_path):

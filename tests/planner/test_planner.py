@@ -164,6 +164,15 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
         in text
     plan = planner.plan(f"{least}MiB").plan
     assert plan.predicted_allocator_peak_bytes + plan.margin_bytes <= least * 2**20
+    # the size is named by the key the run read it from (data.patch_size under data=folder;
+    # the planner said data.image_size, a key folder data does not have)
+    planner.size_key = "model.block_size"
+    try:
+        with pytest.raises(InfeasibleBudget) as err:
+            planner.plan(int(floor.allocator_peak * 0.97))
+    finally:
+        planner.size_key = None
+    assert "or model.block_size=" in str(err.value) and "data.block_size" not in str(err.value)
 
 
 @pytest.fixture(scope="module")

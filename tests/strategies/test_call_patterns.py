@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.strategies import StageError, build_strategy, is_recomputing
+from tests.strategies import axes
 from tests.strategies.common import count_calls
 
-RECOMPUTING = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}), ("every_k", {"k": 8}),
-               ("selective", {"policy": "matmul"}), ("offload", {"segments": "sqrtn"})]
-ALL = [*RECOMPUTING, ("selective", {"policy": "attention"}), ("offload", {})]
+# every_k k=8: one segment longer than any chain here
+RECOMPUTING = [*axes.variants(axes.recomputing), ("every_k", {"k": 8})]
+ALL = [*axes.variants(axes.eager), ("every_k", {"k": 8})]
 WIDTH = 8
 
 

@@ -287,6 +287,37 @@ def test_verify_reports_a_stage_that_ran_eager_under_a_dispatch_mode():
         strategy.verify(model)
 
 
+def test_a_stage_split_by_a_graph_break_is_reported_with_dynamos_reason():
+    """A data-dependent branch splits one stage into two graphs: the strategy report names
+    the stage with its graph count and dynamo's reason, and one warning says so; the stage
+    without a break is not listed."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x):
+            y = self.a(x)
+            if y.sum() > 0:  # data-dependent: dynamo breaks the graph here
+                y = y * 2
+            return self.b(y)
+
+    model = nn.Sequential(Branchy(), Block())
+    strategy = CompileBudget(backend="aot_eager")
+    report = strategy.apply(model, ["0", "1"])
+    train_step(model, torch.randn(4, WIDTH))
+    with pytest.warns(UserWarning, match=r"split 1 stage\(s\) at graph breaks.*'0': 2 graphs"):
+        strategy.verify(model)
+    assert list(report.graph_breaks) == ["0"]
+    assert report.graph_breaks["0"]["graphs"] == 2 and report.graph_breaks["0"]["breaks"] == 1
+    reasons = report.graph_breaks["0"]["reasons"]
+    assert all(isinstance(r, str) and r for r in reasons)
+    if torch.__version__ >= "2.14":  # the message this torch gives the break
+        assert any("Data-dependent branching" in r for r in reasons)
+    assert report.to_dict()["graph_breaks"]["0"]["breaks"] == 1  # summary.json's form
+
+
 def test_inductor_outputs_gradients_and_saved_bytes():
     """One real inductor compile (C++ kernels on CPU): equal within float tolerance, and
     budget 0 keeps only the stage input."""

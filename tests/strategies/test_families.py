@@ -25,13 +25,12 @@ import torch
 
 from remat.measure import PeakMemory
 from remat.strategies import build_strategy
+from tests.strategies.axes import eager, recomputing, variants
 from tests.strategies.common import count_calls, first_inner
 from tests.strategies.families import FAMILIES, build, output_tensors
 
-STRATEGIES = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}),
-              ("selective", {"policy": "matmul"}), ("selective", {"policy": "attention"}),
-              ("offload", {}), ("offload", {"segments": "sqrtn"})]
-RECOMPUTING = [s for s in STRATEGIES if s != ("offload", {})]
+STRATEGIES = variants(eager)  # the peak is measured (MemTracker): eager strategies
+RECOMPUTING = variants(recomputing)
 # Decoders called with their default use_cache=True: a recomputed layer runs without the
 # cache (as under Hugging Face's own checkpointing), and HF's attention then works on the
 # keys themselves instead of the cache's concatenated copy, so outputs match to float

@@ -16,13 +16,13 @@ from torch import nn
 import remat.strategies.recompute as recompute
 from remat.measure import PeakMemory
 from remat.strategies import RecomputeError, StageError, build_strategy, unwrap_all
+from tests.strategies import axes
 from tests.strategies.test_selective import TinyGPT
 
-STRATEGIES = [("full", {}), ("sqrtn", {}), ("every_k", {"k": 2}),
-              ("selective", {"policy": "matmul"}), ("selective", {"policy": "attention"}),
-              ("selective", {"ops": ["aten.addmm"]}), ("offload", {}),
-              ("offload", {"segments": "sqrtn"})]
-RECOMPUTING = [s for s in STRATEGIES if s != ("offload", {})]
+# eager strategies (peaks measured with MemTracker), plus an op list of selective's own
+STRATEGIES = [*axes.variants(axes.eager), ("selective", {"ops": ["aten.addmm"]})]
+RECOMPUTING = [*axes.variants(axes.recomputing), ("selective", {"ops": ["aten.addmm"]})]
+COMPILED = axes.variants(axes.compiled)  # compiled code: pickled, not measured
 
 
 def _step(model, x, seed=5):
@@ -48,7 +48,7 @@ def gpt():
     return TinyGPT(depth=4, p=0.2, attn_p=0.0)
 
 
-@pytest.mark.parametrize("strategy,overrides", [*STRATEGIES, ("compile", {"backend": "aot_eager"})])
+@pytest.mark.parametrize("strategy,overrides", [*STRATEGIES, *COMPILED])
 def test_wrapped_models_pickle_deepcopy_and_torch_save(gpt, strategy, overrides):
     x = torch.randn(2, 16, 32)
     ref = _step(copy.deepcopy(gpt), x)
@@ -59,20 +59,20 @@ def test_wrapped_models_pickle_deepcopy_and_torch_save(gpt, strategy, overrides)
     torch.save(model, buffer)
     buffer.seek(0)
     copies = [pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)]
-    if strategy != "compile":  # each copy compiles again: one copy shows it for compile
+    is_compiled = (strategy, overrides) in COMPILED
+    if not is_compiled:  # each copy compiles again: one copy shows it for compiled code
         copies = [*copies, copy.deepcopy(model)]
-    for copied in copies[: 1 if strategy == "compile" else None]:
+    for copied in copies[: 1 if is_compiled else None]:
         forwards = [(m, vars(m)["forward"]) for m in copied.modules() if "forward" in vars(m)]
         assert forwards and all(f.module is m for m, f in forwards)  # bound to the copy
         got = _step(copied, x)
-        if strategy == "compile":
+        if is_compiled:
             torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
         else:
             _assert_same(got, ref)
 
 
-@pytest.mark.parametrize("strategy,overrides", [*STRATEGIES, ("compile", {"backend": "aot_eager"}),
-                                                ("none", {})])
+@pytest.mark.parametrize("strategy,overrides", [*STRATEGIES, *COMPILED, ("none", {})])
 def test_torch_compile_of_a_wrapped_model_gives_eager_gradients_without_recompiling(
         gpt, strategy, overrides):
     torch._dynamo.reset()

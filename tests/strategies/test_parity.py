@@ -9,10 +9,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat.strategies import build_strategy
+from tests.strategies import axes
 from tests.strategies.common import count_calls
 
 STAGES = ["encoder.layer*"]
-SEGMENT_STRATEGIES = ["full", "sqrtn", "every_k"]
+# every strategy that, with its defaults, recomputes segments of a chain
+SEGMENT_STRATEGIES = axes.names(axes.recomputing)
 
 
 def _train_steps(model, x, steps=3):

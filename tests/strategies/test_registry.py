@@ -43,3 +43,17 @@ def test_config_and_build_strategy_make_the_same_object(path):
 def test_bad_arguments_name_the_strategy():
     with pytest.raises(ValueError, match="strategy 'sqrtn' does not take"):
         build_strategy("sqrtn", k=3)
+
+
+def test_the_test_axes_cover_every_registered_strategy():
+    """tests/strategies/axes.py reads the registry: each name is on an axis or has its own
+    module, and the variants it names are registered ones."""
+    from tests.strategies import axes
+
+    on_axes = {name for name, _ in axes.variants(baseline=True)}
+    assert on_axes | set(axes.OWN_TESTS) == set(STRATEGIES)
+    assert not on_axes & set(axes.OWN_TESTS)
+    assert set(axes.VARIANTS) <= set(STRATEGIES)
+    assert axes.variants(axes.compiled) == [("compile", {"backend": "aot_eager"})]
+    assert ("offload", {}) in axes.variants(axes.eager)
+    assert ("offload", {}) not in axes.variants(axes.recomputing)  # keeps, moves to host

@@ -28,6 +28,12 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = ("SIGTERM", "SIGINT")
 
 
+def preemption_signal() -> signal.Signals:
+    """The signal submitit sends a job before preemption or its time limit:
+    ``SIG$SUBMITIT_PREEMPT_SIGNAL`` (``SIGUSR2`` by default)."""
+    return signal.Signals["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local writes are atomic: the checkpoint goes to a hidden
     temporary file in the target folder, is flushed to disk (``fsync``) and then renamed over
@@ -61,6 +67,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
 
 
+def _training_done(trainer: L.Trainer, after_epoch: bool) -> bool:
+    """Whether the optimizer step just taken is the run's last: ``trainer.max_steps``
+    reached or, ``after_epoch`` (at an epoch's end), the last of ``trainer.max_epochs``."""
+    if 0 < trainer.max_steps <= trainer.global_step:
+        return True
+    epochs = trainer.max_epochs
+    return after_epoch and epochs is not None and 0 <= epochs <= trainer.current_epoch + 1
+
+
+def _raise_sigterm_at_step_end(trainer: L.Trainer) -> None:
+    """Make Lightning raise ``SIGTERMException`` where it does for a SIGTERM it caught: at
+    the end of this batch, or of this epoch after its validation (loggers and schedulers
+    updated first). Sets the flag its handler sets, without running that handler: it sends
+    the signal on to the other processes it launched and broadcasts from rank 0, and the
+    ranks have agreed on the stop already (:meth:`LastCheckpoint._signalled`); a rank
+    receiving the forwarded signal in the middle of its own stop broke the collectives
+    ("Connection closed by peer"). Without the flag (another Lightning), raises now."""
+    connector = getattr(trainer, "_signal_connector", None)  # Lightning keeps it private
+    if connector is None or not hasattr(connector, "received_sigterm"):
+        raise SIGTERMException
+    connector.received_sigterm = True
+
+
 class LastCheckpoint(Checkpoint):
     """Writes ``<dirpath>/<filename>.ckpt`` (default ``last.ckpt``) with the full training
     state (weights, optimizer, scheduler, loops, callbacks such as
@@ -80,7 +109,16 @@ class LastCheckpoint(Checkpoint):
       (all accumulated batches, or the epoch end), the checkpoint is written, and the run stops
       through Lightning's SIGTERM path (``SIGTERMException``, ``on_exception`` hooks, loggers
       finalised). A second signal while waiting acts at once (SIGINT: ``KeyboardInterrupt``).
-      ``received_signal`` names the signal (``"SIGTERM"``/``"SIGINT"``).
+      ``received_signal`` names the signal (``"SIGTERM"``/``"SIGINT"``). Under DDP/FSDP a
+      signal reaching any one rank stops every rank after the same optimizer step (one
+      small all-reduce per step); once they agreed, further signals are ignored. A signal
+      after the run's last optimizer step (e.g. in the last validation) stops nothing: the
+      run ends ``completed``, with its checkpoint.
+    * on the scheduler's preemption signal (:func:`preemption_signal`, submitit's ``USR2``)
+      when a handler for it is installed at train start: as for SIGTERM; that handler is
+      kept in ``deferred`` and called once the run has stopped
+      (:func:`remat.runs.hand_on_preemption`), so the job is resubmitted after its
+      checkpoint is written.
 
     Nothing is written when a run fails with another exception: its state may be mid-step,
     and the last good ``last.ckpt`` is kept. Signal handlers are installed at train start in
@@ -108,6 +146,11 @@ class LastCheckpoint(Checkpoint):
         self._handlers: dict[int, Any] = {}
         self._step_at_batch_start = 0
         self._trained = False  # whether this fit has run a training batch
+        self._stopping = False  # every rank agreed to stop after this step
+        #: the preemption signal's earlier handler (submitit's requeue), held until the
+        #: checkpoint is written: ``(signal number, handler)``, set when that signal came
+        self.deferred: tuple[int, Any] | None = None
+        self._preemption: tuple[int, Any] | None = None
 
     @property
     def path(self) -> Path:
@@ -139,6 +182,8 @@ class LastCheckpoint(Checkpoint):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._trained = False
+        self._stopping = False
+        self.deferred = self._preemption = None
         # after every ModelCheckpoint, so that a last.ckpt written in the same hook holds
         # their updated best record (a resumed run then knows the true best file)
         others = [c for c in trainer.callbacks if c is not self]
@@ -153,10 +198,25 @@ class LastCheckpoint(Checkpoint):
         for name in STOP_SIGNALS:
             signum = getattr(signal, name)
             self._handlers[signum] = signal.signal(signum, self._on_signal)
+        preempt = preemption_signal()
+        previous = signal.getsignal(preempt)
+        if preempt not in self._handlers and callable(previous):
+            # a scheduler's handler (submitit's requeue): it runs once the checkpoint is
+            # written (remat.runs.hand_on_preemption), not at once mid-step
+            self._handlers[preempt] = signal.signal(preempt, self._on_signal)
+            self._preemption = (int(preempt), previous)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._stopping:
+            # the ranks agreed to stop at this step already; this is the signal Lightning's
+            # launcher forwards to the other ranks (or a repeat): acting on it now would
+            # leave this rank's collectives unmatched
+            log.info("received %s while stopping: already stopping", signal.Signals(signum).name)
+            return
         if self.received_signal is None:
             self.received_signal = signal.Signals(signum).name
+            if self._preemption is not None and signum == self._preemption[0]:
+                self.deferred = self._preemption
             log.warning("received %s: stopping after the current optimizer step, with a "
                         "checkpoint (send it again to stop at once)", self.received_signal)
             return
@@ -173,14 +233,10 @@ class LastCheckpoint(Checkpoint):
         self._handlers = {}
 
     def _stop(self, trainer: L.Trainer, where: str) -> None:
-        """Checkpoint, then hand the stop to Lightning's SIGTERM handling (registered by the
-        Trainer for this fit): it raises ``SIGTERMException`` at the end of this batch/epoch."""
+        """Checkpoint, then hand the stop to Lightning's SIGTERM handling: it raises
+        ``SIGTERMException`` at the end of this batch/epoch, on every rank."""
         self.save(trainer, where)
-        handler = self._handlers.get(signal.SIGTERM)
-        if callable(handler):
-            handler(signal.SIGTERM, None)  # Lightning's: sets trainer.received_sigterm
-        else:
-            raise SIGTERMException
+        _raise_sigterm_at_step_end(trainer)
 
     # --- when to write -------------------------------------------------------------------
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
@@ -194,8 +250,10 @@ class LastCheckpoint(Checkpoint):
             return  # gradients are still being accumulated: no complete step to save
         last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         if self._signalled(trainer) and not last_batch:  # at the epoch's end: after validation
-            self._stop(trainer, "signal")
-            return
+            if not _training_done(trainer, after_epoch=False):
+                self._stop(trainer, "signal")
+                return
+            self._finish(trainer)
         if not last_batch and (trainer.should_stop or 0 < trainer.max_steps
                                <= trainer.global_step):
             # training stops inside the epoch (trainer.max_steps, max_time): write it here.
@@ -221,6 +279,13 @@ class LastCheckpoint(Checkpoint):
                 or self._saved_at[2] not in ("epoch_end", "signal", "stop_mid_epoch"):
             self._epoch_end(trainer)  # no validation at this epoch's end
 
+    def _finish(self, trainer: L.Trainer) -> None:
+        """A stop signal after the run's last optimizer step: nothing is left to stop, so the
+        run ends as it would have (``completed``), with its checkpoint."""
+        if trainer.is_global_zero:
+            log.warning("%s arrived after the last optimizer step (global step %d): the run "
+                        "finishes normally", self.received_signal, trainer.global_step)
+
     def _signalled(self, trainer: L.Trainer) -> bool:
         """A stop signal reached this rank or, in a multi-rank run, any rank (one small
         all-reduce per optimizer step): every rank must checkpoint and stop together, or the
@@ -232,14 +297,18 @@ class LastCheckpoint(Checkpoint):
                 self.received_signal = "SIGTERM"
                 log.warning("another rank received a stop signal: stopping after this "
                             "optimizer step, with a checkpoint")
+            self._stopping = anyone
             return anyone
+        self._stopping = mine
         return mine
 
     def _epoch_end(self, trainer: L.Trainer) -> None:
-        if self._signalled(trainer):
+        if self._signalled(trainer) and not _training_done(trainer, after_epoch=True):
             self._stop(trainer, "epoch_end")
-        else:
-            self.save(trainer, "epoch_end")
+            return
+        if self._stopping:
+            self._finish(trainer)
+        self.save(trainer, "epoch_end")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore_handlers()

@@ -37,6 +37,8 @@ class PeakMemoryMonitor(L.Callback):
     maximum) once tracking ends, ``mem/epoch_peak_bytes`` per epoch. The epoch peak is the
     allocator's peak over the whole epoch on CUDA; on CPU only the tracked batches are
     measured, so it is their maximum within that epoch (absent for epochs without one).
+    Under DDP/FSDP ``peak_bytes`` is the highest rank's at the end of training (gathered
+    from every rank), with each rank's in ``rank_peaks_bytes``.
     Only totals are kept: Lightning runs forward and backward inside
     ``optimizer.step(closure)``, so MemTracker would file activations under optimizer state
     (the per-category split is given by :mod:`remat.estimate`). On CPU with the ``compile``
@@ -52,6 +54,7 @@ class PeakMemoryMonitor(L.Callback):
             raise ValueError(f"PeakMemoryMonitor: track_steps must be >= 0, got {track_steps}")
         self.track_steps = track_steps
         self.peak_bytes: int | None = None
+        self.rank_peaks_bytes: list[int | None] | None = None  # DDP/FSDP: each rank's
         self.reserved_bytes: int | None = None
         self.step_peaks: list[int] = []
         self.epoch_peaks: list[int | None] = []
@@ -140,6 +143,23 @@ class PeakMemoryMonitor(L.Callback):
         if self._epoch_peak is not None:
             pl_module.log("mem/epoch_peak_bytes", float(self._epoch_peak), on_step=False,
                           on_epoch=True, batch_size=1)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._gather_ranks()
+
+    def _gather_ranks(self) -> None:
+        """Under DDP/FSDP (every rank calls this: a collective), the run's peak becomes the
+        highest rank's, and ``rank_peaks_bytes`` holds each rank's (rank order); a rank
+        without a measured batch gives None."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, self.peak_bytes)
+        self.rank_peaks_bytes = [None if p is None else int(p) for p in every]
+        known = [p for p in self.rank_peaks_bytes if p is not None]
+        if known:
+            self.peak_bytes = max(known)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
                      exception: BaseException) -> None:

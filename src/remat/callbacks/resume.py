@@ -8,13 +8,20 @@ epoch. A plain ``DataLoader`` with ``shuffle=True`` restarts its generator, so t
 epoch after a resume replays epoch 0's order, and the global RNG (dropout masks, random
 crops drawn in the main process) starts from the seed again. :class:`ResumeState` keeps both in
 the checkpoint (its callback state) and puts them back.
+
+Under DDP/FSDP Lightning replaces a train loader's sampler by a ``DistributedSampler`` of its
+own, which would drop the resume wrapper: :class:`ResumeState` shards the epoch over the
+ranks itself (:class:`_ShardedResumableSampler`, the order Lightning's sampler gives), so a
+resume inside an epoch skips exactly the batches each rank trained.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +30,15 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from remat.rng import rng_state, set_rng_state
 
@@ -62,22 +77,117 @@ class _ResumableSampler(Sampler):
         self.start: tuple[torch.Tensor | None, dict[str, Any] | None] | None = None
 
     def __iter__(self) -> Iterator[int]:
-        skip = 0
-        if self.start is not None:  # first pass after a resume between epochs
-            (state, rng), self.start = self.start, None
-            if state is not None and self.generator is not None:
-                self.generator.set_state(state)
-            if rng is not None:
-                set_rng_state(rng)
-        if self.resume is not None:
-            (state, skip), self.resume = self.resume, None
-            if state is not None and self.generator is not None:
-                self.generator.set_state(state)
-        self.epoch_start = self.generator.get_state() if self.generator is not None else None
+        skip = _begin_pass(self)
         return itertools.islice(iter(self.inner), skip, None)
 
     def __len__(self) -> int:
         return len(self.inner)
+
+    #: one process sees the whole epoch
+    num_replicas, rank = 1, 0
+
+
+def _begin_pass(sampler: _ResumableSampler | _ShardedResumableSampler) -> int:
+    """The start of a pass over ``sampler``: put back the states a resume left for it (the
+    loader generator, and the global RNG for a resume between epochs), record the
+    generator's state as the epoch's start, and return how many of this pass's indices were
+    trained before the checkpoint (0 but once after a resume inside an epoch)."""
+    skip = 0
+    if sampler.start is not None:  # first pass after a resume between epochs
+        (state, rng), sampler.start = sampler.start, None
+        if state is not None and sampler.generator is not None:
+            sampler.generator.set_state(state)
+        if rng is not None:
+            set_rng_state(rng)
+    if sampler.resume is not None:
+        (state, skip), sampler.resume = sampler.resume, None
+        if state is not None and sampler.generator is not None:
+            sampler.generator.set_state(state)
+    generator = sampler.generator
+    sampler.epoch_start = generator.get_state() if generator is not None else None
+    return skip
+
+
+class _Length:
+    """A stand-in dataset of ``n`` positions, for :class:`DistributedSampler` to permute."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _ShardedResumableSampler(DistributedSampler):
+    """One rank's share of a train loader's epoch, resumable: the order Lightning's own
+    distributed sampler gives the loader (torch's ``DistributedSampler``: a permutation
+    seeded by ``seed + epoch``, padded to a multiple of the ranks by repeating its start, or
+    cut with ``drop_last``, every ``num_replicas``-th index from ``rank``), with the resume
+    steps of :class:`_ResumableSampler`.
+
+    ``by_dataset``: the permutation is of the dataset's indices (Lightning's rule for a
+    ``RandomSampler`` or ``SequentialSampler``, whose own order is then unused); otherwise
+    of the positions of ``inner``'s indices, drawn anew each pass (a sampler choosing an
+    epoch's windows, :class:`remat.data.text.WindowSampler`), as Lightning's
+    ``DistributedSamplerWrapper`` does. ``len`` is this rank's full share.
+    """
+
+    def __init__(self, inner: Any, generator: torch.Generator | None, dataset: Any, *,
+                 by_dataset: bool, num_replicas: int, rank: int, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False) -> None:
+        super().__init__(dataset if by_dataset else _Length(len(inner)),
+                         num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.inner = inner
+        self.by_dataset = by_dataset
+        self.generator = generator
+        self.epoch_start: torch.Tensor | None = None
+        self.resume: tuple[torch.Tensor | None, int] | None = None
+        self.start: tuple[torch.Tensor | None, dict[str, Any] | None] | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        skip = _begin_pass(self)
+        order = None if self.by_dataset else list(self.inner)
+        positions = super().__iter__()
+        if order is not None:
+            positions = (order[p] for p in positions)
+        return itertools.islice(positions, skip, None)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if not self.by_dataset and callable(getattr(self.inner, "set_epoch", None)):
+            self.inner.set_epoch(epoch)
+
+
+# DataLoader arguments a rebuilt loader takes from the one it replaces (every other one)
+_LOADER_OWN = {"self", "dataset", "batch_size", "shuffle", "sampler", "batch_sampler",
+               "drop_last"}
+
+
+def _with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader | None:
+    """``loader`` made again with ``sampler`` (its batch size, ``drop_last`` and every other
+    setting kept), or None for a loader this cannot remake faithfully (a ``DataLoader``
+    subclass, a custom batch sampler)."""
+    batches = loader.batch_sampler
+    if type(loader) is not DataLoader or type(batches) is not BatchSampler:
+        return None
+    kwargs = {name: getattr(loader, name)
+              for name in inspect.signature(DataLoader.__init__).parameters
+              if name not in _LOADER_OWN and hasattr(loader, name)}
+    return DataLoader(loader.dataset, batch_size=batches.batch_size, sampler=sampler,
+                      drop_last=batches.drop_last, **kwargs)
+
+
+def _lightning_shards(trainer: L.Trainer | None, loader: DataLoader) -> bool:
+    """Whether Lightning would put its own ``DistributedSampler`` into this train loader
+    (``Trainer(use_distributed_sampler=True)``, the default, under a distributed strategy)."""
+    if trainer is None or trainer.distributed_sampler_kwargs is None:
+        return False
+    if isinstance(loader.dataset, IterableDataset):
+        return False
+    # the Trainer keeps its use_distributed_sampler argument nowhere public
+    connector = getattr(trainer, "_accelerator_connector", None)
+    return bool(getattr(connector, "use_distributed_sampler", True))
 
 
 class ResumeState(L.Callback):
@@ -94,6 +204,14 @@ class ResumeState(L.Callback):
     is created (checkpoint between epochs), or when training starts, after that iterator
     exists and before the first batch is fetched (checkpoint inside an epoch); Lightning runs
     the sanity check with an isolated RNG.
+
+    Under DDP/FSDP (a strategy for which Lightning would put a ``DistributedSampler`` into
+    the train loader) the loader is made again with :class:`_ShardedResumableSampler`
+    instead, which gives every rank the share Lightning's sampler would (same seed,
+    shuffle, padding) and skips, on resume, the indices that rank trained (the checkpoint
+    keeps every rank's count); a loader with its own plain ``DistributedSampler`` keeps that
+    sampler's settings. Resumed on another number of ranks, each skips an even share of
+    what all ranks trained (the order then differs anyway, and a warning says so).
 
     Exact for loaders without workers (``data.num_workers=0``). With workers, the order and
     position are restored, but not the RNG inside persistent workers, nor (for a resume
@@ -124,9 +242,7 @@ class ResumeState(L.Callback):
 
         @functools.wraps(original)
         def train_dataloader() -> Any:
-            loader = original()
-            self._prepare(loader)
-            return loader
+            return self._prepare(original())
 
         self._original = original
         dm.train_dataloader = train_dataloader
@@ -136,8 +252,9 @@ class ResumeState(L.Callback):
             trainer.datamodule.__dict__.pop("train_dataloader", None)
         self._original = None
 
-    def _prepare(self, loader: Any) -> None:
-        """Called with a new train loader, before Lightning creates its iterator."""
+    def _prepare(self, loader: Any) -> Any:
+        """Called with a new train loader, before Lightning creates its iterator; returns
+        the loader to train with (made again with a sharding sampler under DDP/FSDP)."""
         pending, self._pending = self._pending, None
         generator = getattr(loader, "generator", None)
         batch_sampler = getattr(loader, "batch_sampler", None)
@@ -147,31 +264,68 @@ class ResumeState(L.Callback):
                 rank_zero_warn("ResumeState: the train loader has no BatchSampler; the "
                                "resumed epoch starts over instead of skipping the "
                                f"{pending['batches']} batches already trained")
-            return
+            return loader
         inner = batch_sampler.sampler
-        if not isinstance(inner, _ResumableSampler):
+        if not isinstance(inner, _ResumableSampler | _ShardedResumableSampler):
             own = getattr(inner, "generator", None)  # RandomSampler(generator=...)
-            inner = batch_sampler.sampler = _ResumableSampler(
-                inner, own if isinstance(own, torch.Generator) else generator)
+            own = own if isinstance(own, torch.Generator) else generator
+            sharded = self._sharded(loader, inner, own)
+            if sharded is not None:
+                loader, inner = sharded
+            else:
+                inner = batch_sampler.sampler = _ResumableSampler(inner, own)
         self._sampler = inner
-        self._batch_size = batch_sampler.batch_size
+        self._batch_size = loader.batch_sampler.batch_size
         try:
-            self._num_batches: int | None = len(batch_sampler)
+            self._num_batches: int | None = len(loader.batch_sampler)
         except TypeError:  # a sampler without a length
             self._num_batches = None
         if pending is not None:
             self._apply(pending)
+        return loader
 
-    def _apply(self, pending: dict[str, Any]) -> None:
+    def _sharded(self, loader: DataLoader, inner: Any, generator: torch.Generator | None
+                 ) -> tuple[DataLoader, _ShardedResumableSampler] | None:
+        """Under DDP/FSDP: ``loader`` made again with a :class:`_ShardedResumableSampler`
+        in place of the ``DistributedSampler`` Lightning would put there (same ranks, seed
+        and shuffle), or taking over the loader's own plain ``DistributedSampler``; None
+        for a loader of one process (or one Lightning leaves alone)."""
+        if type(inner) is DistributedSampler:  # the user's: its settings, its order
+            sampler = _ShardedResumableSampler(
+                inner, generator, inner.dataset, by_dataset=True,
+                num_replicas=inner.num_replicas, rank=inner.rank, seed=inner.seed,
+                shuffle=inner.shuffle, drop_last=inner.drop_last)
+            sampler.set_epoch(inner.epoch)
+        elif isinstance(inner, DistributedSampler) or not _lightning_shards(self._trainer,
+                                                                            loader):
+            return None
+        else:
+            trainer = self._trainer
+            sampler = _ShardedResumableSampler(
+                inner, generator, loader.dataset,
+                by_dataset=isinstance(inner, RandomSampler | SequentialSampler),
+                # Lightning's choices (lightning.pytorch's _get_distributed_sampler)
+                shuffle=not trainer.overfit_batches,
+                seed=int(os.getenv("PL_GLOBAL_SEED", 0)), **trainer.distributed_sampler_kwargs)
+        rebuilt = _with_sampler(loader, sampler)
+        if rebuilt is None:
+            rank_zero_warn(f"ResumeState: cannot remake the train loader "
+                           f"({type(loader).__name__} with {type(loader.batch_sampler).__name__}"
+                           ") with a resumable distributed sampler: a resume inside an epoch "
+                           "will not skip the batches already trained")
+            return None
+        return rebuilt, sampler
+
+    def _apply(self, pending: dict[str, Any], iterated: bool = False) -> None:
         """Put the prepared sampler where the checkpointed run's loader was. Called from
         :meth:`_prepare`, or from :meth:`load_state_dict` when the loader was made before the
-        checkpoint was read (Lightning's ``ModelParallelStrategy`` restores after setup,
-        and a scheduler asking ``estimated_stepping_batches`` makes the loader there)."""
+        checkpoint was read (``iterated``: Lightning's ``ModelParallelStrategy`` restores
+        after setup, and a scheduler asking ``estimated_stepping_batches`` makes the loader
+        and its first iterator there)."""
         inner, batch_size = self._sampler, self._batch_size
         self._warn_if_reshaped(pending, batch_size)
         if pending.get("batches"):
-            # the samples the checkpointed run trained, whatever the batch size is now
-            samples = pending.get("samples", pending["batches"] * batch_size)
+            samples = self._samples_to_skip(pending)
             inner.resume = (pending.get("generator"), samples)
             log.info("resume: skipping the %d batches (%d samples) of this epoch trained "
                      "before the checkpoint", pending["batches"], samples)
@@ -184,8 +338,25 @@ class ResumeState(L.Callback):
         if self._rng is not None:
             set_rng_state(self._rng)
             self._rng = None
-        self._between_epochs = True
+        # the iterator Lightning makes before training starts and never reads draws from
+        # these states after this restore, unless it was made before it (iterated)
+        self._between_epochs = not iterated
         self._close_restored_epoch()
+
+    def _samples_to_skip(self, pending: dict[str, Any]) -> int:
+        """This rank's indices of the resumed epoch that the checkpointed run trained,
+        whatever the batch size is now: the rank's own count when the ranks are the same,
+        else an even share of all ranks' (the epoch's first positions, as ranks take turns
+        through the permutation; another world size also makes another permutation)."""
+        sampler = self._sampler
+        per_rank = pending.get("samples_per_rank")
+        if per_rank and len(per_rank) == sampler.num_replicas:
+            return int(per_rank[sampler.rank])
+        if per_rank:
+            total = sum(per_rank)
+        else:  # a checkpoint of one process (or of a loader that was not sharded)
+            total = pending.get("samples", pending["batches"] * (self._batch_size or 0))
+        return int(total) // sampler.num_replicas
 
     _num_batches: int | None = None
 
@@ -240,6 +411,8 @@ class ResumeState(L.Callback):
     def _epoch_samples(self) -> int | None:
         sampler = self._sampler
         try:
+            if isinstance(sampler, _ShardedResumableSampler):  # all ranks' share, unpadded
+                return len(sampler.dataset)
             return len(sampler.inner) if sampler is not None else None
         except TypeError:  # a sampler without a length
             return None
@@ -261,12 +434,24 @@ class ResumeState(L.Callback):
     # --- checkpoint state ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": rng_state()}
-        ranks = _gathered(state["rng"])
-        if ranks is not None:  # every rank's RNG (dropout masks differ by rank)
-            state["rng_per_rank"] = ranks
+        loader = self._loader_state()
+        if loader is not None:
+            state["loader"] = loader
+        # every rank's RNG (dropout masks differ by rank) and place in its share of the epoch
+        samples = loader.get("samples") if loader is not None else None
+        ranks = _gathered({"rng": state["rng"], "samples": samples})
+        if ranks is not None:
+            state["rng_per_rank"] = [r["rng"] for r in ranks]
+            if samples is not None and isinstance(self._sampler, _ShardedResumableSampler):
+                loader["samples_per_rank"] = [int(r["samples"]) for r in ranks]
+        return state
+
+    def _loader_state(self) -> dict[str, Any] | None:
+        """Where the train loader is: the generator state to start the next pass from and
+        how many batches of the open epoch were trained (``samples``: indices of this rank)."""
         trainer, sampler = self._trainer, self._sampler
         if trainer is None or sampler is None:
-            return state
+            return None
         progress = trainer.fit_loop.epoch_loop.batch_progress
         served = int(progress.current.ready)
         shape = {"batch_size": self._batch_size, "epoch_samples": self._epoch_samples(),
@@ -275,13 +460,12 @@ class ResumeState(L.Callback):
         if progress.is_last_batch or served >= trainer.num_training_batches or served == 0:
             # between epochs: the next epoch's pass starts from the generator as it is now
             generator = sampler.generator
-            state["loader"] = {"generator": generator.get_state() if generator is not None
-                               else None, "batches": 0, **shape}
-        else:
-            state["loader"] = {"generator": sampler.epoch_start, "batches": served, **shape}
-            if self._batch_size:
-                state["loader"]["samples"] = served * self._batch_size
-        return state
+            return {"generator": generator.get_state() if generator is not None else None,
+                    "batches": 0, **shape}
+        loader = {"generator": sampler.epoch_start, "batches": served, **shape}
+        if self._batch_size:
+            loader["samples"] = served * self._batch_size
+        return loader
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._rng = state_dict.get("rng")
@@ -297,4 +481,4 @@ class ResumeState(L.Callback):
                                "draws (dropout masks) differ from an uninterrupted run")
         if self._sampler is not None and self._pending is not None:  # loader made already
             pending, self._pending = self._pending, None
-            self._apply(pending)
+            self._apply(pending, iterated=True)

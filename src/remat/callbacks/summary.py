@@ -238,14 +238,16 @@ class RunSummary(L.Callback):
             summary["error"] = f"stopped by {summary['signal']}"
         summary.update({
             "strategy_report": report_obj.to_dict() if report_obj is not None else None,
-            # FSDP2 units and ranks under trainer=fsdp (peaks below are rank 0's)
+            # FSDP2 units and ranks under trainer=fsdp
             "sharding": (pl_module.shard_report.to_dict()
                          if getattr(pl_module, "shard_report", None) is not None else None),
             "device": device_name(pl_module.device) if pl_module is not None else None,
             "global_step": trainer.global_step,
             "epochs": trainer.current_epoch,
             "metrics": {k: v for k, v in sorted(metrics.items()) if v is not None},
+            # the highest rank's under DDP/FSDP, each rank's beside it
             "peak_memory_bytes": getattr(memory, "peak_bytes", None),
+            "peak_memory_per_rank_bytes": getattr(memory, "rank_peaks_bytes", None),
             "peak_memory_reserved_bytes": getattr(memory, "reserved_bytes", None),
             "peak_memory_per_epoch_bytes": getattr(memory, "epoch_peaks", None),
             "peak_memory_measured": memory.measured() if memory else None,

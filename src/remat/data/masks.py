@@ -208,6 +208,35 @@ def index_mask(path: str | Path, lookup: Mapping[int, int]) -> torch.Tensor:
 # the data check (:mod:`remat.data.verify`) reports before training.
 
 
+def _several_classes_problem(path: str | Path) -> str | None:
+    """The problem of a binary encoding on a mask that holds several classes: a palette PNG
+    (mode ``P``) using more than two indices, or a grey label map of more than two small
+    values (0, 1, 2, ...). Either would be read as one foreground (or lose classes under a
+    threshold) without an error."""
+    import numpy as np
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            mode = image.mode
+            values = np.unique(np.asarray(image)) if mode in ("P", "L") else None
+    except (OSError, ValueError):
+        return None  # unreadable files are reported by the decoder itself
+    if values is None or len(values) <= 2:
+        return None
+    shown = ", ".join(str(int(v)) for v in values[:8]) + (", ..." if len(values) > 8 else "")
+    classes = int(values.max()) + 1
+    if mode == "P":
+        return (f"is a palette PNG using {len(values)} palette indices ({shown}): a mask with "
+                f"several classes, which a binary encoding reads as one foreground; use "
+                f"data.mask_encoding=palette data.num_classes={classes}")
+    if int(values.max()) < 64:
+        return (f"holds {len(values)} small values ({shown}): a label map with several "
+                f"classes, which a binary encoding reads as one foreground; use "
+                f"data.mask_encoding=index data.num_classes={classes}")
+    return None
+
+
 def _label_map_problem(path: str | Path, threshold: int, foreground: str) -> str | None:
     """The problem of a grey mask holding only 0 and 1 under a threshold above 1."""
     if threshold <= 1:
@@ -238,8 +267,10 @@ class ThresholdMask:
         return threshold_mask(path, self.foreground, self.threshold, self.channels)
 
     def encoding_problem(self, path: str | Path) -> str | None:
-        """A message when the file holds only 0/1 (a label map) and ``threshold > 1``."""
-        return _label_map_problem(path, self.threshold, self.foreground)
+        """A message when the file holds only 0/1 (a label map) and ``threshold > 1``, or
+        several classes (a palette PNG, a label map of small values)."""
+        return (_several_classes_problem(path)
+                or _label_map_problem(path, self.threshold, self.foreground))
 
     def __repr__(self) -> str:
         return (f"ThresholdMask(foreground={self.foreground!r}, threshold={self.threshold}, "
@@ -261,7 +292,11 @@ class NonZeroMask:
     def encoding_problem(self, path: str | Path) -> str | None:
         """A message for a mask with compression noise (values strictly between the
         darkest and brightest level in more than 0.1 % of its pixels, as JPEG leaves them),
-        which "any non-zero" would read as foreground."""
+        which "any non-zero" would read as foreground, or several classes (a palette PNG,
+        a label map of small values); the threshold is suggested for lossy files only."""
+        several = _several_classes_problem(path)
+        if several is not None:
+            return several
         raw = read_label(path, ImageReadMode.GRAY)
         top = int(raw.max())
         if top < 2:
@@ -269,9 +304,14 @@ class NonZeroMask:
         noisy = float(((raw > 0) & (raw < top)).float().mean())
         if noisy <= 1e-3:
             return None
-        return (f"{100 * noisy:.1f}% of its pixels lie between 0 and {top} (compression noise, "
-                "as in JPEG masks), which mask_encoding=binary without a threshold reads as "
-                "foreground; set data.threshold=128 (or save masks as PNG)")
+        if file_format(path) in ("JPEG", "JPG"):
+            return (f"{100 * noisy:.1f}% of its pixels lie between 0 and {top} (compression "
+                    "noise of a JPEG mask), which mask_encoding=binary without a threshold "
+                    "reads as foreground; set data.threshold=128 (or save masks as PNG)")
+        return (f"{100 * noisy:.1f}% of its pixels lie between 0 and {top}, which "
+                "mask_encoding=binary without a threshold reads as foreground: several "
+                "classes (use data.mask_encoding=index, palette or colors) or soft edges "
+                "(set data.threshold to the grey level that separates them)")
 
     def __repr__(self) -> str:
         return "NonZeroMask()"

@@ -149,6 +149,8 @@ class WindowSampler(Sampler):
     ``RandomSampler`` by a ``DistributedSampler`` over the whole dataset (every possible
     window: an epoch 150x as long here), while any other sampler is split across the ranks
     (``DistributedSamplerWrapper``), so the ranks share the epoch's ``train_windows``.
+    :class:`remat.callbacks.ResumeState`, which shards train loaders itself so that a resume
+    inside an epoch is exact, follows the same rule.
     """
 
     def __init__(self, inner: RandomSampler) -> None:

@@ -252,3 +252,27 @@ def check_checkpoint_fits(model: torch.nn.Module, ckpt: Mapping[str, Any],
             f"ckpt_path={ckpt_path} does not fit the configured model: "
             f"{len(missing)} missing keys {missing[:5]}, {len(unexpected)} unexpected keys "
             f"{unexpected[:5]}, {len(shapes)} shape mismatches {shapes[:5]}")
+
+
+def check_monitor(cfg: Any, model: Any) -> None:
+    """Refuse, before Lightning starts, a ``monitor`` the model does not log in validation
+    (``monitor=val/dice`` on a multi-class model, which logs ``val/miou``): it failed after
+    the sanity check with a traceback. Models without ``validation_keys()``, ``train/``
+    keys and per-class ``val/iou_<name>`` keys (named from the data at setup) are left to
+    :class:`remat.callbacks.MonitorCheck`.
+
+    Raises:
+        ValueError: names ``monitor``, the keys the model logs and the key to use.
+    """
+    keys = getattr(model, "validation_keys", None)
+    monitor = str(cfg.get("monitor") or "")
+    if not callable(keys) or not monitor.startswith("val/") or monitor.startswith("val/iou_"):
+        return
+    logged = list(keys())
+    if monitor in logged:
+        return
+    best = next((k for k in ("val/miou", "val/dice") if k in logged), "val/loss")
+    raise ValueError(
+        f"monitor={monitor} is not among the metrics this model logs in validation "
+        f"({', '.join(logged)}); set monitor={best} monitor_mode="
+        f"{'min' if best == 'val/loss' else 'max'}")

@@ -177,6 +177,18 @@ class SegmentationMetrics(nn.Module):
                 out[name] = value.float().mean() if value.ndim else value.float()
         return out
 
+    def names(self) -> list[str]:
+        """The score names :meth:`compute` returns (``iou_<class name>`` per class;
+        ``volume``: ``dice_<class name>`` per foreground class and ``dice``)."""
+        out = [n for n in self.collection.keys() if n not in ("iou_class", "dice_class")]
+        if self.pooled is not None:
+            out += list(self.pooled.keys())
+        if "iou_class" in self.collection.keys():
+            out += [f"iou_{c}" for c in self.class_names]
+        if "dice_class" in self.collection.keys():
+            out += [f"dice_{c}" for c in self.class_names[1:]] + ["dice"]
+        return out
+
     def reset(self) -> None:
         """Forget every batch added so far."""
         self.collection.reset()

@@ -76,10 +76,11 @@ def check_net_output(net: nn.Module, in_channels: int, num_classes: int,
     if out.ndim != ndim or out.shape[1] != num_classes:
         got = tuple(out.shape)
         channels = out.shape[1] if out.ndim == ndim else None
-        fix = (f"set model.num_classes={channels} (data=folder: data.num_classes={channels}) "
-               f"or build the net with {num_classes} output channel(s)" if channels else
-               ("return [B, C, H, W]" if spatial_dims == 2 else
-                "return [B, C, D, H, W] (or set model.spatial_dims)"))
+        fix = (f"build the net with {num_classes} output channel(s) (its out_channels or "
+               f"classes argument), or, if the masks hold {channels} classes, set "
+               f"model.num_classes={channels} (data=folder: data.num_classes={channels})"
+               if channels else ("return [B, C, H, W]" if spatial_dims == 2 else
+                                 "return [B, C, D, H, W] (or set model.spatial_dims)"))
         raise ValueError(
             f"{name} returns logits of shape {got} for a {[1, in_channels, *spatial]} input, "
             f"but model.num_classes={num_classes} (1 = binary) needs "
@@ -309,6 +310,11 @@ class SegmentationModule(StrategyModule):
         values = {f"{stage}/{k}": v for k, v in metrics.compute().items()}
         metrics.reset()
         self.log_dict(values, prog_bar=False)
+
+    def validation_keys(self) -> list[str]:
+        """The ``val/`` keys this module logs in validation (``val/loss`` and its metric
+        set's scores), known before anything runs."""
+        return ["val/loss", *(f"val/{n}" for n in self.metrics["val"].names())]
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "val")

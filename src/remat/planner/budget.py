@@ -77,10 +77,12 @@ class BudgetStrategy(CheckpointStrategy):
     def planned(self, build: Callable[[CheckpointStrategy], nn.Module], batch_size: int,
                 size: Any, precision: str, accumulate_grad_batches: int = 1,
                 default_stages: Sequence[str] = (), world_size: int = 1,
-                reshard_after_forward: bool = True) -> PlanStrategy:
+                reshard_after_forward: bool = True,
+                size_key: str | None = None) -> PlanStrategy:
         """Plan for this budget and return the strategy that applies the plan (its
         ``planned`` attribute holds the :class:`~remat.planner.Planned` result). With
-        ``world_size > 1`` the budget is one FSDP2 rank's (``trainer=fsdp``).
+        ``world_size > 1`` the budget is one FSDP2 rank's (``trainer=fsdp``); ``size_key``
+        names the size's config key in the messages (:class:`~remat.planner.Planner`).
 
         Raises:
             remat.planner.InfeasibleBudget: no plan fits (what would fit is in the message).
@@ -92,7 +94,7 @@ class BudgetStrategy(CheckpointStrategy):
                             default_stages=default_stages, calibrate=self.calibrate,
                             accumulate_grad_batches=accumulate_grad_batches,
                             world_size=world_size, reshard_after_forward=reshard_after_forward,
-                            temporaries=self.temporaries)
+                            temporaries=self.temporaries, size_key=size_key)
         plan = planned.plan
         log.info("plan for %s on %s (%.1f s): predicted peak %s (allocator; tensors %s, "
                  "none %s), recompute FLOPs x%.3f of none, modelled step time x%.3f\n%s",

@@ -173,6 +173,8 @@ class Planner:
             (``trainer=fsdp``): every trace is that rank's step (sharded parameters,
             gradients and optimizer state, each unit gathered while it runs;
             :func:`remat.measure.trace.step_fn`), ``batch_size`` is per rank.
+        size_key: the config key ``size`` was read from, for messages (``data.patch_size``
+            under ``data=folder``); None: ``data.image_size`` or ``data.block_size``.
 
     Raises:
         ValueError: bad ``margin`` or ``objective``; ``calibrate`` for a device other than
@@ -185,9 +187,12 @@ class Planner:
                  max_traces: int = 6, max_segment: int | None = None,
                  objective: str = "time", default_stages: Sequence[str] = (),
                  calibrate: bool = False, key: str = "strategy", world_size: int = 1,
-                 reshard_after_forward: bool = True, temporaries: bool | None = None
-                 ) -> None:
+                 reshard_after_forward: bool = True, temporaries: bool | None = None,
+                 size_key: str | None = None) -> None:
         self.key = key  # config prefix of memory/device/units in messages ("": none)
+        # the config key of ``size`` in messages (data.patch_size for folder data, ...);
+        # None: data.image_size for images, data.block_size for sequences
+        self.size_key = size_key
         check_options(objective, 0.0 if margin is None else margin, key)
         self.objective = objective
         self.default_stages = list(default_stages or [])
@@ -617,12 +622,14 @@ class Planner:
             if isinstance(self.size, int) and self.profile.kind == "image":
                 side = math.floor(self.size * math.sqrt(min(scale, 1.0)) / 32) * 32
                 if side >= 32:
-                    lines.append(f"  or data.image_size={side} (activations scale with the "
+                    lines.append(f"  or {self.size_key or 'data.image_size'}={side} "
+                                 "(activations scale with the "
                                  "pixel count; about)")
             elif isinstance(self.size, int):
                 tokens = math.floor(self.size * min(scale, 1.0) / 8) * 8
                 if tokens >= 8:
-                    lines.append(f"  or data.block_size={tokens} (activations scale with the "
+                    lines.append(f"  or {self.size_key or 'data.block_size'}={tokens} "
+                                 "(activations scale with the "
                                  "sequence length, at least; about)")
         if self.precision == "32-true" and room > 0 and dynamic / 2 <= room:
             # autocast keeps some activations in fp32 (normalisation, softmax outputs): half

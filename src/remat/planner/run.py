@@ -80,7 +80,8 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
                 planned = strategy.planned(
                     build, batch_size, size, precision, accumulate,
                     default_stages=default_stages, world_size=sharding.world_size,
-                    reshard_after_forward=sharding.reshard_after_forward)
+                    reshard_after_forward=sharding.reshard_after_forward,
+                    size_key=run_shape.size_key_of(cfg.data, cfg.model))
         warn_if_other_device(planned.plan, cfg, None,
                              where=f"strategy.device={strategy.device}")
         return planned
@@ -272,4 +273,5 @@ def planner_for(cfg: DictConfig, build: Any, batch_size: int, size: Any, precisi
                    default_stages=listed_stages(cfg.model.get("stages")),
                    calibrate=bool(budget.get("calibrate", False)), key="strategy",
                    world_size=sharding.world_size,
-                   reshard_after_forward=sharding.reshard_after_forward)
+                   reshard_after_forward=sharding.reshard_after_forward,
+                   size_key=run_shape.size_key_of(cfg.data, cfg.model))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -28,12 +29,17 @@ class StrategyReport:
         segments: stage path -> half-open block ranges, one per checkpointed segment; a stage
             that is one module (not a chain) is one segment ``[(0, 1)]``.
         kept_boundaries: number of segment inputs kept in the forward pass (one per segment).
+        graph_breaks: for ``compile``, stage path -> ``{"graphs": n, "breaks": n - 1,
+            "reasons": [...]}`` for each stage ``torch.compile`` split into several graphs
+            at its first training call (its memory budget then holds per fragment);
+            filled after the first training step.
     """
 
     strategy: str
     stages: list[str] = field(default_factory=list)
     wrapped: list[str] = field(default_factory=list)
     segments: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    graph_breaks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def kept_boundaries(self) -> int:

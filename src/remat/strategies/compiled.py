@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 import numbers
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -182,13 +183,31 @@ def trampoline(forward: Callable) -> Callable:
                               run.__closure__)
 
 
+def dynamo_break_messages() -> dict[str, int]:
+    """Dynamo's graph-break messages so far in this process -> how often each was met
+    (its ``counters``, categories ``graph_break`` and ``unimplemented``)."""
+    counters = getattr(getattr(torch._dynamo, "utils", None), "counters", None) or {}
+    out: dict[str, int] = {}
+    for category in ("graph_break", "unimplemented"):
+        for message, count in dict(counters.get(category, {})).items():
+            out[message] = out.get(message, 0) + count
+    return out
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else message
+
+
 class _CompiledStage:
     """Per-stage runtime state (kept in the stage's wrap): its compiled function, built at
-    the first training call, and whether a call ran under a dispatch mode."""
+    the first training call, whether a call ran under a dispatch mode, and the graph breaks
+    dynamo met compiling it (``reasons``, first lines of dynamo's messages)."""
 
     def __init__(self) -> None:
         self.backend: _BudgetBackend | None = None
         self.under_dispatch_mode = False  # a call saw a TorchDispatchMode (dynamo skips)
+        self.first_graphs: int | None = None  # graphs compiled by the first call
+        self.reasons: list[str] = []
         self._owner: weakref.ref | None = None
         self._fn: Callable | None = None
 
@@ -281,6 +300,7 @@ class CompileBudget(CheckpointStrategy):
         """Compile the stage in place (any module; each member of an ``nn.ModuleList`` or
         ``nn.ModuleDict``, which have no forward of their own). Compilation is lazy: each
         stage compiles at its first training call with grad enabled."""
+        self._report = report
         targets = ([(f"{path}.{name}", m) for name, m in (
             module.items() if isinstance(module, nn.ModuleDict) else enumerate(module))]
             if isinstance(module, nn.ModuleList | nn.ModuleDict) else [(path, module)])
@@ -303,7 +323,42 @@ class CompileBudget(CheckpointStrategy):
         wrap.calls += 1
         if any_torch_dispatch_mode_on_stack():
             wrap.state.under_dispatch_mode = True
-        return wrap.state.compiled_for(self, module, wrap.path, forward)(*args, **kwargs)
+        stage = wrap.state
+        fn = stage.compiled_for(self, module, wrap.path, forward)
+        if stage.first_graphs is not None:
+            return fn(*args, **kwargs)
+        before = dynamo_break_messages()
+        out = fn(*args, **kwargs)
+        stage.first_graphs = stage.backend.graphs if stage.backend is not None else 0
+        after = dynamo_break_messages()
+        stage.reasons = [_first_line(m) for m, n in after.items() if n > before.get(m, 0)]
+        return out
+
+    def _report_graph_breaks(self, model: nn.Module) -> None:
+        """Put the stages dynamo split into several graphs into the strategy report and
+        warn once, naming each with its graph count and dynamo's reasons."""
+        broken = {}
+        for _, _, wrap in wrapping.wraps_of(model):
+            stage = wrap.state
+            if (isinstance(wrap.owner, CompileBudget) and isinstance(stage, _CompiledStage)
+                    and (stage.first_graphs or 0) > 1):
+                broken[wrap.path] = {"graphs": stage.first_graphs,
+                                     "breaks": stage.first_graphs - 1,
+                                     "reasons": stage.reasons}
+        report = getattr(self, "_report", None)
+        if report is not None:
+            report.graph_breaks = broken
+        if broken and not getattr(self, "_warned_breaks", False):
+            self._warned_breaks = True
+            parts = [f"'{path}': {b['graphs']} graphs"
+                     + (f" ({'; '.join(b['reasons'])})" if b["reasons"] else "")
+                     for path, b in broken.items()]
+            warnings.warn(
+                f"strategy 'compile': torch.compile split {len(broken)} stage(s) at graph "
+                f"breaks, so the activation memory budget {self.budget} holds for each "
+                f"fragment on its own and nothing is saved across a break: {', '.join(parts)}."
+                " Remove the break (see the reason) or list the fragments' modules as stages",
+                stacklevel=2)
 
     def verify(self, model: nn.Module) -> None:
         """Call after one training forward: every compiled stage must have run through its
@@ -331,6 +386,7 @@ class CompileBudget(CheckpointStrategy):
                 "never called it: its parent runs the children itself, so nothing is compiled "
                 f"there. List the children as stages instead, e.g. '{bypassed[0]}.*'"
             )
+        self._report_graph_breaks(model)
         if eager:
             why = ("a TorchDispatchMode was active around the forward (e.g. MemTracker, which "
                    "CPU memory measurement uses), and dynamo does not compile under one"

@@ -37,6 +37,11 @@ def test_option_composes_and_instantiates(tmp_path, kvasir_root, group, option):
 
         plan = Plan(units=[UnitPlan("encoder.layer1", "chain", [(0, 2, "recompute")])])
         overrides.append(f"strategy.path={plan.save(tmp_path / 'plan.json')}")
+    if option == "shakespeare_llama_lora":  # LoRA on a saved model: a random tiny Llama
+        from tests.models.test_lora import tiny_llama
+
+        tiny_llama().save_pretrained(tmp_path / "base")
+        overrides.append(f"model.pretrained={tmp_path / 'base'}")
     cfg = compose_train(tmp_path, overrides)
     strategy = instantiate(cfg.strategy)
     assert isinstance(strategy, CheckpointStrategy)

@@ -147,6 +147,18 @@ def failure_summary(cfg: DictConfig, err: BaseException) -> dict[str, Any]:
     return summary
 
 
+def parameters_of(pl_module: Any) -> dict[str, Any] | None:
+    """``{"trainable": n, "total": n}`` parameter elements of the module (tied tensors once),
+    plus ``"lora"``: its LoRA settings (``model.lora``) when it trains adapters on a frozen
+    network (``pl_module.lora``), else ``None``."""
+    if pl_module is None:
+        return None
+    params = {id(p): p for p in pl_module.parameters()}.values()
+    return {"trainable": sum(p.numel() for p in params if p.requires_grad),
+            "total": sum(p.numel() for p in params),
+            "lora": plain(getattr(pl_module, "lora", None))}
+
+
 def _plan_of(pl_module: Any, memory: Any) -> dict[str, Any] | None:
     """The plan the run trains with (``strategy=budget`` or ``strategy=plan``; resumed, the
     plan saved in the checkpoint where it was reused), with ``origin`` and this process's
@@ -242,6 +254,8 @@ class RunSummary(L.Callback):
             "sharding": (pl_module.shard_report.to_dict()
                          if getattr(pl_module, "shard_report", None) is not None else None),
             "device": device_name(pl_module.device) if pl_module is not None else None,
+            # a LoRA run: its adapters' elements, of the frozen network's and theirs
+            "parameters": parameters_of(pl_module),
             "global_step": trainer.global_step,
             "epochs": trainer.current_epoch,
             "metrics": {k: v for k, v in sorted(metrics.items()) if v is not None},

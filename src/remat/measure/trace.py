@@ -82,6 +82,20 @@ def _data_dependent(err: BaseException) -> bool:
     return False
 
 
+def _swap_refused(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) is ``nn.Module._apply`` failing
+    to swap a fake parameter (``.to()`` of a module built under FakeTensorMode swaps the
+    tensors, and refuses one with a weak reference): PEFT's LoRA layers move their adapters
+    to the base layer's device and dtype that way while they are built."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if "Couldn't swap" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def meta_clone(module: nn.Module, drop: tuple[Any, ...] = ()) -> nn.Module:
     """A structural copy of ``module`` (wrappers, strategy, tied weights kept) whose
     parameters and buffers are on the ``meta`` device, so copying allocates nothing.
@@ -387,7 +401,8 @@ def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
     ``FakeTensorMode`` with ``fake=True`` and with the RNG seeded to 0; the child returns
     ``fn``'s (picklable) result.
 
-    A model whose construction FakeTensorMode refuses is built on ``meta`` and materialized
+    A model whose construction FakeTensorMode refuses (a data-dependent op, or a fake
+    parameter ``.to()`` cannot swap: PEFT's LoRA layers) is built on ``meta`` and materialized
     as fake tensors, or, when ``meta`` fails too, built for real once and traced as a meta
     copy (see :func:`trace_step`). ``fn`` must not keep fake tensors in its result.
     """
@@ -395,7 +410,7 @@ def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
         # forked RNG: on CUDA the trace runs in the training process, whose seed must hold
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(0)
-            return fn(make())
+            return fn(make())  # under _fake_mode: HF masks as in the real step
 
     def dev() -> Any:
         return torch.device(device) if device.type != "cpu" else nullcontext()
@@ -405,7 +420,7 @@ def built_fn(build: Callable[[], nn.Module], fn: Callable[[nn.Module], Any],
             with _fake_mode() if fake else nullcontext(), dev():
                 return run(build)
         except Exception as err:
-            if not (fake and _data_dependent(err)):
+            if not (fake and (_data_dependent(err) or _swap_refused(err))):
                 raise
         try:
             with torch.device("meta"):

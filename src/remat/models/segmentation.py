@@ -3,6 +3,7 @@ architecture and encoder, or a ready network (ViT segmenter, MONAI 2D/3D nets)."
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +15,10 @@ from remat.inference import SlidingWindow, sliding_window_inference, volume_wind
 from remat.models.base import StrategyModule
 from remat.models.checks import require_keys, warn_if_schedule_ends_early
 from remat.models.metrics import SegmentationMetrics
+from remat.models.weights import load_encoder_weights
 from remat.strategies import CheckpointStrategy
+
+log = logging.getLogger(__name__)
 
 
 def build_smp_model(arch: str, encoder_name: str, encoder_weights: str | None,
@@ -122,6 +126,10 @@ class SegmentationModule(StrategyModule):
     Args:
         arch, encoder_name, encoder_weights, in_channels, num_classes: smp model arguments
             (``num_classes`` is smp's ``classes``); ``encoder_weights=None`` is random init.
+        pretrained: a local weights file (``.safetensors``, ``.pth``) loaded into the
+            encoder (``net.encoder``; the whole net where it has none), e.g. timm's or
+            torchvision's weights of the encoder's architecture, offline
+            (:func:`remat.models.weights.load_encoder_weights`).
         stages: stage paths the strategy wraps.
         strategy: a :class:`~remat.strategies.CheckpointStrategy` (default: ``none``).
         optimizer: partial optimizer, called with the parameters.
@@ -142,7 +150,8 @@ class SegmentationModule(StrategyModule):
     Raises:
         ValueError: ``num_classes < 1``; ``spatial_dims`` not 2 or 3 (3 needs ``net``);
             unknown arch/encoder; a bad ``metrics`` name or ``inference`` value (naming the
-            ``model.`` key).
+            ``model.`` key); a ``pretrained`` file that does not fit the encoder.
+        FileNotFoundError: no ``pretrained`` file.
         remat.strategies.StageError: a stage matches no module (close names are listed).
     """
 
@@ -154,7 +163,8 @@ class SegmentationModule(StrategyModule):
                  arch_kwargs: dict[str, Any] | None = None, net: nn.Module | None = None,
                  metrics: str = "per_image", ignore_index: int = 255,
                  class_names: Sequence[str] | None = None,
-                 inference: dict[str, Any] | None = None, spatial_dims: int = 2) -> None:
+                 inference: dict[str, Any] | None = None, pretrained: str | None = None,
+                 spatial_dims: int = 2) -> None:
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (1 = binary), got {num_classes}")
@@ -171,6 +181,10 @@ class SegmentationModule(StrategyModule):
                                   **dict(arch_kwargs or {}))
         else:
             check_net_output(net, in_channels, num_classes, spatial_dims)
+        if pretrained is not None:
+            loaded, skipped = load_encoder_weights(net, pretrained)
+            log.info("model.pretrained=%s loaded into %s (%d tensors of the file skipped)",
+                     pretrained, type(loaded).__name__, skipped)
         self.wrap_net(net, stages, strategy)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.scheduler_factory = scheduler

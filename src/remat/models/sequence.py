@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,15 @@ from torch.optim.lr_scheduler import LambdaLR
 from remat.models.base import StrategyModule
 from remat.models.checks import require_keys
 from remat.models.gpt import GPT, sample_tokens
-from remat.models.hf import causal_lm_logits, config_vocab_size, is_hf_model
+from remat.models.hf import (
+    apply_lora,
+    causal_lm_logits,
+    config_vocab_size,
+    is_hf_model,
+    load_pretrained,
+    lora_stage_paths,
+    parameter_counts,
+)
 from remat.strategies import CheckpointStrategy
 
 log = logging.getLogger(__name__)
@@ -75,6 +83,14 @@ class SequenceModule(StrategyModule):
             (``pos_embedding``: ``learned`` or ``rotary``); ignored when ``net`` is given.
         net: a ready network used instead of a :class:`GPT` (see above), e.g.
             ``LlamaForCausalLM(LlamaConfig(...))`` (``configs/model/hf_llama.yaml``).
+        pretrained: a local folder written by ``save_pretrained``; its causal LM
+            (:func:`remat.models.hf.load_pretrained`, offline) is the network, instead of
+            ``net`` or a :class:`GPT`.
+        lora: LoRA settings (``r``, ``alpha``, ``dropout``, ``target_modules``; see
+            :func:`remat.models.hf.lora_config`): the network is wrapped by PEFT, every
+            weight of it frozen and only the adapters trained; ``stages`` keep naming the
+            network's own modules (PEFT's ``base_model.model.`` prefix is added,
+            :func:`remat.models.hf.lora_stage_paths`).
         stages: stage paths the strategy wraps (default chain: ``blocks``; a Llama's decoder
             layers: ``model.layers``).
         strategy: activation checkpointing strategy (default ``none``).
@@ -89,8 +105,9 @@ class SequenceModule(StrategyModule):
     Raises:
         remat.strategies.StageError: a stage matches no module.
         ValueError: an HF ``net`` whose ``config.vocab_size`` differs from ``vocab_size``
-            (names ``model.net.config.vocab_size``); at fit start, the datamodule's
-            ``vocab_size`` differs from ``model.vocab_size``.
+            (names ``model.net.config.vocab_size``); a bad ``model.lora``; at fit start, the
+            datamodule's ``vocab_size`` differs from ``model.vocab_size``.
+        FileNotFoundError: ``pretrained`` is not a folder with a ``config.json``.
     """
 
     def __init__(self, vocab_size: int = 256, block_size: int = 256, n_layer: int = 4,
@@ -100,18 +117,38 @@ class SequenceModule(StrategyModule):
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, sample_tokens: int = 200,
                  sample_prompt: str = "\n", sample_temperature: float = 0.8,
-                 sample_top_k: int | None = None, net: nn.Module | None = None) -> None:
+                 sample_top_k: int | None = None, net: nn.Module | None = None,
+                 pretrained: str | None = None, lora: Mapping[str, Any] | None = None
+                 ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler", "net"])
-        if net is None:
+        if pretrained is not None:
+            if net is not None:
+                log.info("model.pretrained=%s: its saved model replaces model.net", pretrained)
+            net = load_pretrained(pretrained)
+        elif net is None:
             net = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, pos_embedding)
         self.hf_net = is_hf_model(net)
         net_vocab = config_vocab_size(net) if self.hf_net else None
         if net_vocab is not None and net_vocab != vocab_size:
+            if pretrained is not None:
+                raise ValueError(
+                    f"model.pretrained={pretrained} has vocab_size={net_vocab} (its "
+                    f"config.json) but model.vocab_size={vocab_size}; the data must use the "
+                    "vocabulary the saved model was trained with")
             raise ValueError(
                 f"model.net.config.vocab_size={net_vocab} but model.vocab_size={vocab_size}; "
                 "the logits must have one entry per token of the data: set "
                 "model.net.config.vocab_size: ${...vocab_size}")
+        self.lora = dict(lora) if lora else None
+        if self.lora is not None:
+            net = apply_lora(net, self.lora)
+            stages = lora_stage_paths(stages)
+        self.trainable_parameters, self.total_parameters = parameter_counts(net)
+        if self.lora is not None:
+            log.info("LoRA run (r=%s): %d trainable parameters of %d (%.2f %%)",
+                     self.lora.get("r"), self.trainable_parameters, self.total_parameters,
+                     100.0 * self.trainable_parameters / max(1, self.total_parameters))
         self.wrap_net(net, stages, strategy)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
         self.scheduler_factory = scheduler
@@ -148,6 +185,38 @@ class SequenceModule(StrategyModule):
                 f"({type(datamodule).__name__}) has {data_vocab} tokens; set model.vocab_size="
                 f"{data_vocab} or model.vocab_size='${{data.vocab_size}}'"
             )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The strategy's record (:class:`StrategyModule`) and, for a LoRA run, under
+        ``"lora"``: its settings and parameter counts (the adapters themselves are in the
+        ``state_dict``, as ``...lora_A.default.weight`` / ``...lora_B.default.weight``, next
+        to the frozen weights a resume needs)."""
+        super().on_save_checkpoint(checkpoint)
+        if self.lora is not None:
+            checkpoint["lora"] = {"settings": self.lora,
+                                  "trainable_parameters": self.trainable_parameters,
+                                  "total_parameters": self.total_parameters}
+
+    def on_train_end(self) -> None:
+        """Write the trained network as Hugging Face saves it, for use outside remat and as
+        another run's ``model.pretrained``: a LoRA run its adapters (PEFT's
+        ``adapter_config.json`` and ``adapter_model.safetensors``, loadable on the base
+        model with ``peft.PeftModel.from_pretrained(base, folder)``) into
+        ``<run>/lora_adapter``, any other run of a Hugging Face net the whole model
+        (``save_pretrained``) into ``<run>/hf_model``. Rank 0 only; not under FSDP2 (the
+        weights are sharded: the checkpoint holds them)."""
+        if not ((self.hf_net or self.lora is not None) and self.trainer.is_global_zero):
+            return
+        if getattr(self, "shard_report", None) is not None:
+            log.info("sharded by FSDP2: no save_pretrained folder written (the checkpoint "
+                     "holds the weights)")
+            return
+        folder = Path(self.trainer.default_root_dir) / (
+            "lora_adapter" if self.lora is not None else "hf_model")
+        self.net.save_pretrained(str(folder))
+        what = (f"LoRA adapters ({self.trainable_parameters} parameters)"
+                if self.lora is not None else type(self.net).__name__)
+        log.info("%s written to %s (save_pretrained)", what, folder)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)
@@ -197,8 +266,10 @@ class SequenceModule(StrategyModule):
         return decode(ids[0].tolist())
 
     def configure_optimizers(self) -> Any:
-        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        # frozen parameters (a LoRA run's base) are left out: no state, no update
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.ndim >= 2]
+        no_decay = [p for p in trainable if p.ndim < 2]
         optimizer = self.optimizer_factory(params=[{"params": decay},
                                                    {"params": no_decay, "weight_decay": 0.0}])
         if self.scheduler_factory is None:

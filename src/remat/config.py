@@ -92,6 +92,19 @@ def best_saved_at_validation(monitor: Any) -> bool | None:
     return None if str(monitor).startswith("train/") else False
 
 
+def msd_info(root: Any, key: str) -> Any:
+    """``num_classes`` (1 = binary), ``class_names`` or ``in_channels`` of the MSD task at
+    ``root`` from its ``dataset.json`` (the ``remat.msd`` resolver of
+    ``configs/data/msd.yaml``, so the model config follows the task); defaults (binary,
+    ``[background, foreground]``, 1 channel) while ``root`` is unset or holds no readable
+    ``dataset.json`` (the datamodule then names the problem)."""
+    from remat.data.msd import dataset_info
+
+    return dataset_info(root, str(key))
+
+
+if not OmegaConf.has_resolver("remat.msd"):
+    OmegaConf.register_new_resolver("remat.msd", msd_info)
 if not OmegaConf.has_resolver("remat.best_saved_at_validation"):
     OmegaConf.register_new_resolver("remat.best_saved_at_validation", best_saved_at_validation)
 if not OmegaConf.has_resolver("remat.batch_for"):

@@ -12,13 +12,13 @@ weighting", sigma = 1/8 of the patch size) and of MONAI's ``sliding_window_infer
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from remat.data.sizes import as_pair
+from remat.data.sizes import as_pair, as_spatial
 
 BLENDS = ("gaussian", "constant")
 
@@ -29,7 +29,8 @@ class SlidingWindow:
 
     Attributes:
         patch_size: window side in pixels (an int, or ``[height, width]``; see
-            :func:`remat.data.sizes.as_pair`).
+            :func:`remat.data.sizes.as_pair`); for volumes an int (cube) or
+            ``[depth, height, width]`` voxels.
         overlap: fraction of a window shared with its neighbour, in ``[0, 1)``; the stride is
             ``ceil(patch * (1 - overlap))`` pixels.
         batch_size: windows per forward pass (changes speed and memory, not the result).
@@ -39,14 +40,19 @@ class SlidingWindow:
             this, so encoders that downsample 32x still get a valid input; 32 suits smp U-Nets.
     """
 
-    patch_size: int | tuple[int, int]
+    patch_size: int | tuple[int, ...]
     overlap: float = 0.25
     batch_size: int = 4
     blend: str = "gaussian"
     size_divisor: int = 32
 
     def __post_init__(self) -> None:
-        as_pair(self.patch_size, "model.inference.patch_size")  # raises naming the key
+        size = self.patch_size
+        volume = isinstance(size, Sequence) and not isinstance(size, str) and len(size) == 3
+        if not volume:
+            as_pair(size, "model.inference.patch_size")  # raises naming the key
+        else:
+            as_spatial(size, 3, "model.inference.patch_size")
         if not 0.0 <= self.overlap < 1.0:
             raise ValueError(f"model.inference.overlap must be in [0, 1), got {self.overlap}")
         if self.batch_size < 1:
@@ -61,6 +67,14 @@ class SlidingWindow:
     def patch(self) -> tuple[int, int]:
         """``(height, width)`` of a window in pixels."""
         return as_pair(self.patch_size, "model.inference.patch_size")
+
+    def spatial(self, dims: int) -> tuple[int, ...]:
+        """The window's sides for ``dims`` spatial axes (2: pixels, 3: voxels).
+
+        Raises:
+            ValueError: ``patch_size`` has another number of sides than ``dims``.
+        """
+        return as_spatial(self.patch_size, dims, "model.inference.patch_size")
 
 
 def window_starts(length: int, window: int, overlap: float) -> list[int]:
@@ -159,3 +173,18 @@ def sliding_window_inference(net: Callable[[torch.Tensor], torch.Tensor], images
     if len(corners) == 1:  # one window: return the forward pass itself, bit for bit
         return logits[..., :height, :width].contiguous()
     return (out / norm)[..., :height, :width]
+
+
+def volume_window_inference(net: Callable[[torch.Tensor], torch.Tensor], volumes: torch.Tensor,
+                            window: SlidingWindow) -> torch.Tensor:
+    """Logits ``[B, K, D, H, W]`` of whole volumes ``[B, C, D, H, W]`` by MONAI's
+    ``sliding_window_inference`` (windows of ``window.spatial(3)`` voxels, ``overlap``,
+    ``batch_size`` windows per pass, Gaussian or constant blending; volumes smaller than a
+    window are padded and the logits cropped back), under ``torch.no_grad``."""
+    from monai.inferers import sliding_window_inference as monai_windows
+
+    with torch.no_grad():
+        out = monai_windows(volumes, roi_size=window.spatial(3), sw_batch_size=window.batch_size,
+                            predictor=net, overlap=window.overlap, mode=window.blend,
+                            padding_mode="replicate")
+    return torch.as_tensor(out)

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from remat.config import config_dir
+from remat.data.folder import IMAGE_SUFFIXES
 from remat.errors import mark_in_loop, run_entry
 from remat.models import SegmentationModule
 from remat.models.checks import (
@@ -30,7 +31,13 @@ from remat.models.checks import (
     read_checkpoint,
     sharded_weights,
 )
-from remat.prediction import MaskWriter, check_output, list_inputs, mask_format
+from remat.prediction import (
+    MaskWriter,
+    VolumeMaskWriter,
+    check_output,
+    list_inputs,
+    mask_format,
+)
 from remat.run_config import apply_run_config, run_config_path, run_group_args
 
 log = logging.getLogger(__name__)
@@ -59,7 +66,6 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
     cfg = apply_run_config(cfg, run, run_path, RUN_KEYS)
     output = Path(str(cfg.output)).expanduser()
     check_output(output, bool(cfg.get("overwrite", False)))
-    paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")))
     model = instantiate(cfg.model)
     if not isinstance(model, SegmentationModule):
         raise ValueError(f"remat.predict writes segmentation masks; model._target_ built "
@@ -73,15 +79,20 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"data._target_={cfg.data.get('_target_')} reads no image files, so it "
                          "cannot say how new images are read; predict with a checkpoint of a "
                          "file dataset (data=folder, kvasir_seg, ...) or give data=<one>")
-    kind, colours = mask_format(datamodule, int(model.hparams.num_classes),
-                                str(cfg.get("format", "auto")))
+    volumes = hasattr(datamodule, "restore_labels")  # data=msd: NIfTI in, NIfTI out
+    suffixes = getattr(datamodule, "input_suffixes", IMAGE_SUFFIXES)
+    paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes)
+    kind, colours = ("nifti", None) if volumes else mask_format(
+        datamodule, int(model.hparams.num_classes), str(cfg.get("format", "auto")))
     loader = DataLoader(datamodule.predict_dataset(paths, names), batch_size=1,
                         num_workers=int(cfg.data.get("num_workers", 0) or 0))
     output.mkdir(parents=True, exist_ok=True)
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-    writer = MaskWriter(output, kind, colours, bool(cfg.get("probabilities", False)))
+    writer: MaskWriter | VolumeMaskWriter = (
+        VolumeMaskWriter(output, datamodule, int(model.hparams.num_classes) == 1) if volumes
+        else MaskWriter(output, kind, colours, bool(cfg.get("probabilities", False))))
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[writer], logger=False,
                                      enable_checkpointing=False)
     with mark_in_loop():

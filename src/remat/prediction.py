@@ -7,6 +7,8 @@ is the trained model's whole-image output at the image's own size (sliding windo
 encoding of the run's data (:func:`mask_format`): binary masks as 0/255 grey PNGs, label maps
 as grey PNGs of class indices, palette masks as palette PNGs, colour masks in their colours;
 optionally the class probabilities as ``.npy``; and a ``predictions.csv`` of what was written.
+:class:`VolumeMaskWriter` writes volumes (``data=msd``) as NIfTI label maps on the grid of
+each input file: its shape, affine and header.
 """
 
 from __future__ import annotations
@@ -26,14 +28,24 @@ from remat.data.folder import IMAGE_SUFFIXES
 FORMATS = ("auto", "index", "binary", "palette", "colors")
 
 
-def list_inputs(source: str | Path, pattern: str = "**/*") -> tuple[list[Path], list[str]]:
+def _strip(name: str, suffixes: Sequence[str]) -> str:
+    """``name`` without the longest of ``suffixes`` it ends with (case-insensitive)."""
+    for suffix in sorted(suffixes, key=len, reverse=True):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def list_inputs(source: str | Path, pattern: str = "**/*",
+                suffixes: Sequence[str] = IMAGE_SUFFIXES) -> tuple[list[Path], list[str]]:
     """The image files to predict and their output names.
 
     Args:
         source: a folder, or one image file.
-        pattern: glob below a folder; files with an image suffix (:data:`IMAGE_SUFFIXES`)
-            only. Names are the paths below the folder without the suffix
-            (``site1/case3``); a single file's name is its stem.
+        pattern: glob below a folder; files with one of ``suffixes`` only (default
+            :data:`IMAGE_SUFFIXES`; volumes: ``.nii.gz``, ``.nii``). Names are the paths
+            below the folder without the suffix (``site1/case3``); a single file's name is
+            its name without the suffix.
 
     Raises:
         FileNotFoundError: ``source`` does not exist, or the folder holds no image (names
@@ -41,17 +53,18 @@ def list_inputs(source: str | Path, pattern: str = "**/*") -> tuple[list[Path], 
         ValueError: two files give one name (``a.png`` and ``a.jpg``).
     """
     path = Path(str(source)).expanduser()
+    suffixes = tuple(s.lower() for s in suffixes)
     if path.is_file():
-        return [path], [path.stem]
+        return [path], [_strip(path.name, suffixes)]
     if not path.is_dir():
         raise FileNotFoundError(f"input={source}: no such file or folder (give a folder of "
                                 "images or one image file)")
     files = sorted(p for p in path.glob(pattern) if p.is_file()
-                   and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+                   and p.name.lower().endswith(suffixes) and not p.name.startswith("."))
     if not files:
         raise FileNotFoundError(f"input={source}: no image matches {pattern!r} there "
-                                f"(suffixes {', '.join(IMAGE_SUFFIXES)})")
-    names = [str(PurePosixPath(*p.relative_to(path).with_suffix("").parts)) for p in files]
+                                f"(suffixes {', '.join(suffixes)})")
+    names = [_strip(str(PurePosixPath(*p.relative_to(path).parts)), suffixes) for p in files]
     seen: dict[str, Path] = {}
     for name, file in zip(names, files, strict=True):
         if name in seen:
@@ -167,12 +180,67 @@ class MaskWriter(BasePredictionWriter):
             self.rows.append(row)
 
     def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
-        if not self.rows:
-            return
-        with (self.output / "predictions.csv").open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(self.rows[0]))
-            writer.writeheader()
-            writer.writerows(self.rows)
+        write_rows(self.output, self.rows)
+
+
+def write_rows(output: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """``<output>/predictions.csv`` of ``rows`` (nothing when there are none)."""
+    if not rows:
+        return
+    with (output / "predictions.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+class VolumeMaskWriter(BasePredictionWriter):
+    """Write each predicted volume as a NIfTI label map ``<output>/<name>.nii.gz`` on its
+    input file's grid: the probabilities go back through the datamodule's inverse
+    orientation and resampling (``datamodule.restore_labels``), and the file keeps the
+    input's affine and header (data type uint8, class indices).
+
+    Args:
+        output: the folder (sub-folders of names made).
+        datamodule: the run's volume datamodule (:class:`remat.data.MSDDataModule`).
+        binary: the model has one output channel (foreground probability).
+
+    After the loop, ``<output>/predictions.csv`` lists ``name, image, mask`` and the
+    volume's shape and each class's share of the voxels (``fraction_<k>``); :attr:`rows`
+    holds it.
+    """
+
+    def __init__(self, output: str | Path, datamodule: Any, binary: bool) -> None:
+        super().__init__(write_interval="batch")
+        self.output, self.datamodule, self.binary = Path(output), datamodule, binary
+        self.rows: list[dict[str, Any]] = []
+
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: dict[str, Any],
+                           batch_indices: Any, batch: Any, batch_idx: int,
+                           dataloader_idx: int = 0) -> None:
+        import nibabel as nib
+
+        probs = prediction["probabilities"]
+        for i, name in enumerate(prediction["name"]):
+            source = prediction["path"][i]
+            labels = self.datamodule.restore_labels(probs[i], source, self.binary)
+            reference = nib.load(source)
+            header = reference.header.copy()
+            header.set_data_dtype(np.uint8)
+            image = nib.Nifti1Image(labels, reference.affine, header)
+            image.set_qform(reference.get_qform(), code=int(reference.header["qform_code"]))
+            image.set_sform(reference.get_sform(), code=int(reference.header["sform_code"]))
+            target = self.output / f"{name}.nii.gz"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            nib.save(image, str(target))
+            counts = np.bincount(labels.reshape(-1), minlength=max(2, probs.shape[1]))
+            row: dict[str, Any] = {"name": name, "image": source, "mask": str(target),
+                                   "shape": "x".join(str(v) for v in labels.shape)}
+            row.update({f"fraction_{k}": round(float(c) / labels.size, 6)
+                        for k, c in enumerate(counts)})
+            self.rows.append(row)
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        write_rows(self.output, self.rows)
 
 
 def check_output(output: Path, overwrite: bool) -> None:

@@ -6,6 +6,7 @@ Every entry point (train, bench, estimate, eval) and the callbacks ask this modu
   (tokens; falling back to ``model.block_size``); an image model reads ``data.image_size``
   (px; resized sets), else ``data.patch_size`` (px; random training crops of large tiles).
   An image size is an int (square side) or ``[h, w]``; a square ``[s, s]`` is the int ``s``.
+  A volume size (3D models, ``data=msd``) is ``[d, h, w]`` (voxels), kept as a triple.
 * **precision**: one of :data:`PRECISIONS`; ``16-mixed`` needs CUDA.
 * **device**: ``auto`` is ``cuda`` where a CUDA driver is present, else ``cpu``.
 
@@ -14,6 +15,7 @@ No Lightning imports; values come from an OmegaConf config or from a datamodule'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +29,7 @@ TRACED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 IMAGE_KEYS = ("image_size", "patch_size")
 SEQUENCE_KEY = "block_size"
 
-Size = int | tuple[int, int]
+Size = int | tuple[int, int] | tuple[int, int, int]
 
 
 def plain(value: Any) -> Any:
@@ -40,14 +42,17 @@ def _is_int(value: Any) -> bool:
 
 
 def normalize_size(value: Any, key: str) -> Size:
-    """An image side or ``[h, w]`` (px), or a sequence length (tokens), checked.
+    """An image side or ``[h, w]`` (px), a volume size ``[d, h, w]`` (voxels), or a sequence
+    length (tokens), checked.
 
     Args:
-        value: the config value (int, list/tuple/ListConfig of two ints).
-        key: its config key, e.g. ``data.image_size``; ``[h, w]`` is accepted for image keys.
+        value: the config value (int, list/tuple/ListConfig of two or three ints).
+        key: its config key, e.g. ``data.image_size``; ``[h, w]`` and ``[d, h, w]`` are
+            accepted for image keys.
 
     Returns:
-        an int, or ``(h, w)`` for a non-square image size (a square pair gives its side).
+        an int, ``(h, w)`` for a non-square image size (a square pair gives its side), or
+        ``(d, h, w)`` for a volume (always a triple, so a cube stays 3D).
 
     Raises:
         ValueError: not an integer >= 1 (or, for image keys, a pair of them); names ``key``.
@@ -58,15 +63,18 @@ def normalize_size(value: Any, key: str) -> Size:
         pair = tuple(value)
         if len(pair) == 2 and all(_is_int(v) and v >= 1 for v in pair):
             return pair[0] if pair[0] == pair[1] else (int(pair[0]), int(pair[1]))
+        if len(pair) == 3 and all(_is_int(v) and v >= 1 for v in pair):
+            return (int(pair[0]), int(pair[1]), int(pair[2]))
     elif _is_int(value) and value >= 1:
         return int(value)
-    expected = "an integer >= 1" + (" or [h, w] (px)" if image else "")
+    expected = "an integer >= 1" + (" or [h, w] (px) or [d, h, w] (voxels)" if image else "")
     raise ValueError(f"{key} must be {expected}, got {value!r}")
 
 
 def size_elements(size: Size) -> int:
-    """Pixels of an image size (``s * s`` or ``h * w``); a sequence length as it is."""
-    return size[0] * size[1] if isinstance(size, tuple) else size
+    """Pixels of an image size (``s * s`` or ``h * w``), voxels of a volume (``d * h * w``);
+    a sequence length as it is."""
+    return math.prod(size) if isinstance(size, tuple) else size
 
 
 @dataclass(frozen=True)

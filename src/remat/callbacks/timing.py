@@ -65,13 +65,17 @@ class StepTimeMonitor(L.Callback):
 
 
 def _batch_counts(batch: Any) -> dict[str, int]:
-    """Samples in a batch and, for ``{"image": [B, C, H, W]}`` batches, pixels (B*H*W) or,
+    """Samples in a batch and, for ``{"image": [B, C, H, W]}`` batches, pixels (B*H*W), for
+    volumes ``[B, C, D, H, W]`` voxels (B*D*H*W), or,
     for ``{"tokens": [B, T+1]}`` batches, predicted tokens (B*T)."""
     if not isinstance(batch, dict):
         return {}
     if isinstance(batch.get("image"), torch.Tensor) and batch["image"].ndim == 4:
         b, _, h, w = batch["image"].shape
         return {"samples": b, "pixels": b * h * w}
+    if isinstance(batch.get("image"), torch.Tensor) and batch["image"].ndim == 5:
+        b, _, d, h, w = batch["image"].shape
+        return {"samples": b, "voxels": b * d * h * w}
     if isinstance(batch.get("tokens"), torch.Tensor) and batch["tokens"].ndim == 2:
         b, t = batch["tokens"].shape
         return {"samples": b, "tokens": b * (t - 1)}

@@ -23,6 +23,7 @@ from remat.data.isic2018 import ISIC2018DataModule
 from remat.data.kvasir import KvasirSegDataModule, KvasirSegDataset
 from remat.data.loveda import LoveDADataModule
 from remat.data.massachusetts import MassachusettsBuildingsDataModule, MassachusettsRoadsDataModule
+from remat.data.msd import MSDDataModule
 from remat.data.synthetic import SyntheticSegDataModule, SyntheticSegDataset
 from remat.data.text import ByteTextDataModule, CharTextDataModule, TokenWindows
 from remat.data.verify import DataCheckError
@@ -44,6 +45,7 @@ __all__ = [
     "KvasirSegDataset",
     "LoveDADataModule",
     "MassachusettsBuildingsDataModule",
+    "MSDDataModule",
     "MassachusettsRoadsDataModule",
     "SyntheticSegDataModule",
     "SyntheticSegDataset",

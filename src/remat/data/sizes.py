@@ -36,6 +36,25 @@ def as_pair(size: int | Sequence[int], name: str = "patch_size") -> tuple[int, i
     return (int(values[0]), int(values[1]))
 
 
+def as_spatial(size: int | Sequence[int], dims: int, name: str = "patch_size"
+               ) -> tuple[int, ...]:
+    """``96`` or ``[96, 96, 64]`` -> a ``dims``-tuple of sides (pixels or voxels): one int
+    is the side of a square (``dims=2``) or cube (``dims=3``).
+
+    Raises:
+        ValueError: not one positive int or ``dims`` of them; names ``name``.
+    """
+    if _positive_int(size):
+        return (int(size),) * dims  # type: ignore[arg-type]
+    values = tuple(size) if isinstance(size, Sequence) and not isinstance(size, str) else ()
+    if len(values) != dims or not all(_positive_int(v) for v in values):
+        shown = list(values) if values else size
+        raise ValueError(f"{name} must be a positive int or {dims} positive ints "
+                         f"({'[height, width]' if dims == 2 else '[depth, height, width]'}), "
+                         f"got {shown!r}")
+    return tuple(int(v) for v in values)
+
+
 def same_size(a: Any, b: Any) -> bool:
     """Whether two size settings (int, ``[h, w]`` or None) name the same size: ``128`` and
     ``[128, 128]`` do; None equals only None. Values that are no size compare as given."""

@@ -133,12 +133,13 @@ def materialize(module: nn.Module, device: torch.device) -> nn.Module:
     return module
 
 
-def sized_batch(model: nn.Module, batch_size: int, size: int | tuple[int, int],
+def sized_batch(model: nn.Module, batch_size: int, size: int | tuple[int, ...],
                 device: torch.device) -> dict[str, torch.Tensor]:
     """``model.example_batch(batch_size, size)`` on ``device``; an ``(h, w)`` size (px)
     crops a square batch of side ``max(h, w)`` to ``[..., h, w]`` (image ``[B, C, h, w]``,
-    mask ``[B, h, w]``); an int is a square side (px) or a sequence length (tokens)."""
-    if isinstance(size, int):
+    mask ``[B, h, w]``); an int is a square side (px) or a sequence length (tokens); a
+    ``(d, h, w)`` volume size (voxels) goes to the model as it is (3D segmentation)."""
+    if isinstance(size, int) or len(size) == 3:
         batch = model.example_batch(batch_size, size)
     else:
         h, w = size

@@ -1,6 +1,7 @@
 """Segmentation metrics as each benchmark defines them, chosen by name (``model.metrics``).
 
-All sets take predicted class indices and targets ``[B, H, W]`` (int64); target pixels equal
+All sets take predicted class indices and targets ``[B, H, W]`` (int64; volumes
+``[B, D, H, W]``); target pixels equal
 to ``ignore_index`` (LoveDA no-data, Dubai unlabelled black, DRIVE outside the field of
 view) count for nothing. Scores are fractions in ``[0, 1]``. The scores come from
 torchmetrics; this module only picks and names them per benchmark:
@@ -18,6 +19,12 @@ torchmetrics; this module only picks and names them per benchmark:
     present in prediction or target (torchmetrics ``MulticlassJaccardIndex``, ``macro``);
     ``iou_<class name>``: each class's IoU (NaN when the class is absent from both);
     ``acc``: pixel accuracy over non-ignored pixels.
+``volume`` (3D organ and tumour segmentation: the Medical Segmentation Decathlon, MONAI's
+spleen and BTCV recipes):
+    ``dice_<class name>``: Dice of each foreground class per volume, averaged over the
+    volumes where the class is in the prediction or the target (torchmetrics
+    ``DiceScore``, ``samplewise``, as MONAI's ``DiceMetric`` with ``ignore_empty``);
+    ``dice``: the mean of those per-class values.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from torchmetrics.classification import (
 )
 from torchmetrics.segmentation import DiceScore, MeanIoU
 
-METRIC_SETS = ("per_image", "binary_pooled", "multiclass")
+METRIC_SETS = ("per_image", "binary_pooled", "multiclass", "volume")
 
 
 def resolve_metric_set(kind: str, num_classes: int) -> str:
@@ -75,10 +82,14 @@ class SegmentationMetrics(nn.Module):
         if kind == "multiclass" and num_classes < 2:
             raise ValueError(f"model.metrics=multiclass needs model.num_classes >= 2, got "
                              f"{num_classes}")
-        names = list(class_names) if class_names else [f"class{i}" for i in range(num_classes)]
-        if kind == "multiclass" and len(names) != num_classes:
+        count = max(2, num_classes) if kind == "volume" else num_classes
+        names = list(class_names) if class_names else (
+            ["background", "foreground"] if kind == "volume" and num_classes == 1
+            else [f"class{i}" for i in range(count)])
+        if kind in ("multiclass", "volume") and len(names) != count:
             raise ValueError(f"model.class_names has {len(names)} names for "
-                             f"model.num_classes={num_classes}: {names}")
+                             f"model.num_classes={num_classes} ({count} classes, background "
+                             f"first): {names}")
         self.kind, self.num_classes, self.ignore_index = kind, num_classes, ignore_index
         self.class_names = names
         self.binary = num_classes == 1
@@ -101,6 +112,11 @@ class SegmentationMetrics(nn.Module):
                 "dice_dataset": DiceScore(num_classes=k, include_background=bg, average="macro",
                                           aggregation_level="global", input_format="one-hot"),
             }
+        if self.kind == "volume":
+            return {"dice_class": DiceScore(num_classes=max(2, self.num_classes),
+                                            include_background=False, average="none",
+                                            aggregation_level="samplewise",
+                                            input_format="one-hot")}
         if self.kind == "binary_pooled":
             return {"dice": BinaryF1Score(ignore_index=ignore),
                     "iou": BinaryJaccardIndex(ignore_index=ignore),
@@ -116,12 +132,13 @@ class SegmentationMetrics(nn.Module):
 
     def _one_hot(self, labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         k = 2 if self.binary else self.num_classes
-        hot = torch.nn.functional.one_hot(labels.clamp(0, k - 1), k).permute(0, 3, 1, 2)
+        hot = torch.nn.functional.one_hot(labels.clamp(0, k - 1), k).movedim(-1, 1)
         return hot * keep.unsqueeze(1)  # ignored pixels belong to no class
 
     @torch.no_grad()
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        """Add a batch: ``preds``, ``target`` ``[B, H, W]`` int64 class indices.
+        """Add a batch: ``preds``, ``target`` ``[B, H, W]`` (volumes ``[B, D, H, W]``)
+        int64 class indices.
 
         Raises:
             ValueError: shapes differ.
@@ -129,7 +146,10 @@ class SegmentationMetrics(nn.Module):
         if preds.shape != target.shape:
             raise ValueError(f"predictions {tuple(preds.shape)} and masks "
                              f"{tuple(target.shape)} differ in shape")
-        if self.kind == "per_image":
+        if self.kind == "volume":
+            keep = target != self.ignore_index
+            self.collection.update(self._one_hot(preds, keep), self._one_hot(target, keep))
+        elif self.kind == "per_image":
             keep = target != self.ignore_index
             self.collection.update(self._one_hot(preds, keep), self._one_hot(target, keep))
             assert self.pooled is not None
@@ -148,17 +168,25 @@ class SegmentationMetrics(nn.Module):
         for name, value in values.items():
             if name == "iou_class":
                 out.update({f"iou_{c}": v for c, v in zip(self.class_names, value, strict=True)})
+            elif name == "dice_class":
+                value = value.float().reshape(-1)
+                out.update({f"dice_{c}": v for c, v in
+                            zip(self.class_names[1:], value, strict=True)})
+                out["dice"] = value.nanmean()
             else:
                 out[name] = value.float().mean() if value.ndim else value.float()
         return out
 
     def names(self) -> list[str]:
-        """The score names :meth:`compute` returns (``iou_<class name>`` per class)."""
-        out = [n for n in self.collection.keys() if n != "iou_class"]
+        """The score names :meth:`compute` returns (``iou_<class name>`` per class;
+        ``volume``: ``dice_<class name>`` per foreground class and ``dice``)."""
+        out = [n for n in self.collection.keys() if n not in ("iou_class", "dice_class")]
         if self.pooled is not None:
             out += list(self.pooled.keys())
         if "iou_class" in self.collection.keys():
             out += [f"iou_{c}" for c in self.class_names]
+        if "dice_class" in self.collection.keys():
+            out += [f"dice_{c}" for c in self.class_names[1:]] + ["dice"]
         return out
 
     def reset(self) -> None:

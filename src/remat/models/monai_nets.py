@@ -1,8 +1,9 @@
 """MONAI networks as segmentation nets (``monai.networks.nets``, random init).
 
-:class:`SwinUNETR2D` is MONAI's ``SwinUNETR`` (Hatamizadeh et al. 2022, arXiv 2201.01266)
-with ``spatial_dims=2``: a Swin transformer encoder of four stages (shifted-window attention,
-patch merging) and a U-Net-like convolutional decoder. The strategy wraps each stage's Swin
+:class:`SwinUNETR2D` / :class:`SwinUNETR3D` are MONAI's ``SwinUNETR`` (Hatamizadeh et al.
+2022, arXiv 2201.01266) with ``spatial_dims=2`` / ``3``: a Swin transformer encoder of
+four stages (shifted-window attention, patch merging) and a U-Net-like convolutional
+decoder. The strategy wraps each stage's Swin
 blocks, ``swinViT.layers1.0.blocks`` ... ``swinViT.layers4.0.blocks`` (glob
 ``swinViT.layers*.0.blocks``): ``nn.ModuleList``s that the stage walks as
 ``x = blk(x, attn_mask)``.
@@ -40,7 +41,10 @@ class SwinUNETR2D(SwinUNETR):
             (or below 64 with instance norm), naming ``data.image_size``.
     """
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 1, img_size: int | None = None,
+    spatial_dims = 2
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 1,
+                 img_size: int | Sequence[int] | None = None,
                  feature_size: int = 24, depths: Sequence[int] = (2, 2, 2, 2),
                  num_heads: Sequence[int] = (3, 6, 12, 24), window_size: int = 7,
                  drop_rate: float = 0.0, attn_drop_rate: float = 0.0,
@@ -48,25 +52,39 @@ class SwinUNETR2D(SwinUNETR):
                  use_checkpoint: bool = False) -> None:
         min_side = 64 if "instance" in str(norm_name).lower() else 32
         if img_size is not None:
-            _check_side(int(img_size), int(img_size), min_side)
+            sides = [int(img_size)] * self.spatial_dims if isinstance(img_size, int) \
+                else [int(v) for v in img_size]
+            _check_sides(sides, min_side)
         super().__init__(in_channels=in_channels, out_channels=num_classes,
                          feature_size=feature_size, depths=tuple(depths),
                          num_heads=tuple(num_heads), window_size=window_size,
                          drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
                          dropout_path_rate=dropout_path_rate, norm_name=norm_name,
-                         use_checkpoint=use_checkpoint, spatial_dims=2)
+                         use_checkpoint=use_checkpoint, spatial_dims=self.spatial_dims)
         self.min_side = min_side
 
     def forward(self, x_in: torch.Tensor) -> torch.Tensor:
-        """``[B, C, H, W]`` -> logits ``[B, num_classes, H, W]``."""
-        _check_side(int(x_in.shape[-2]), int(x_in.shape[-1]), self.min_side)
+        """``[B, C, H, W]`` -> logits ``[B, num_classes, H, W]`` (3D: ``[B, C, D, H, W]``)."""
+        _check_sides([int(v) for v in x_in.shape[2:]], self.min_side)
         return super().forward(x_in)
 
 
-def _check_side(h: int, w: int, min_side: int) -> None:
-    if h % 32 or w % 32 or min(h, w) < min_side:
+class SwinUNETR3D(SwinUNETR2D):
+    """MONAI ``SwinUNETR`` for volumes: ``[B, in_channels, D, H, W]`` -> logits
+    ``[B, num_classes, D, H, W]`` (the 3D network of the paper; 62 M parameters at
+    ``feature_size=48``). Sides: multiples of 32, at least 64 with instance norm, as for
+    :class:`SwinUNETR2D`; ``img_size`` is ``data.patch_size`` (``[d, h, w]`` voxels).
+    Same arguments and errors as :class:`SwinUNETR2D`."""
+
+    spatial_dims = 3
+
+
+def _check_sides(sides: list[int], min_side: int) -> None:
+    if any(v % 32 for v in sides) or min(sides) < min_side:
         least = " and at least 64 with instance norm" if min_side == 64 else ""
+        key = "data.image_size" if len(sides) == 2 else "data.patch_size"
+        unit = "px" if len(sides) == 2 else "voxels"
         raise ValueError(
-            f"SwinUNETR input {h}x{w} px: each side must be a multiple of 32 (2**5: five 2x "
-            f"downsamplings){least}; set data.image_size to e.g. "
-            f"{max(min_side, -(-max(h, w) // 32) * 32)}")
+            f"SwinUNETR input {'x'.join(map(str, sides))} {unit}: each side must be a "
+            f"multiple of 32 (2**5: five 2x downsamplings){least}; set {key} to e.g. "
+            f"{max(min_side, -(-max(sides) // 32) * 32)}")

@@ -1,4 +1,5 @@
-"""LightningModule for semantic segmentation with any smp architecture and encoder."""
+"""LightningModule for semantic segmentation of images (2D) and volumes (3D): any smp
+architecture and encoder, or a ready network (ViT segmenter, MONAI 2D/3D nets)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 
-from remat.inference import SlidingWindow, sliding_window_inference
+from remat.inference import SlidingWindow, sliding_window_inference, volume_window_inference
 from remat.models.base import StrategyModule
 from remat.models.checks import require_keys, warn_if_schedule_ends_early
 from remat.models.metrics import SegmentationMetrics
@@ -39,13 +40,18 @@ def build_smp_model(arch: str, encoder_name: str, encoder_weights: str | None,
 SIZE_DIVISOR = 32
 #: side (px) of the zero image a given network is probed with at build time
 PROBE_SIZE = 64
+#: side (voxels) of the zero volume a 3D network is probed with (small: a CPU forward)
+PROBE_SIZE_3D = 32
 
 
-def check_net_output(net: nn.Module, in_channels: int, num_classes: int) -> None:
-    """Run ``net`` once on a zero image ``[1, in_channels, 64, 64]`` (``eval()``, no grad, no
-    random numbers drawn, train mode restored) and check it returns logits
-    ``[1, num_classes, 64, 64]``. A network that cannot take that input (a fixed image size,
-    another channel count it states itself) is not checked here; the first step reports it.
+def check_net_output(net: nn.Module, in_channels: int, num_classes: int,
+                     spatial_dims: int = 2) -> None:
+    """Run ``net`` once on a zero image ``[1, in_channels, 64, 64]`` (3D: a zero volume
+    ``[1, in_channels, 32, 32, 32]``; ``eval()``, no grad, no random numbers drawn, train
+    mode restored) and check it returns logits ``[1, num_classes, 64, 64]`` (3D:
+    ``[1, num_classes, 32, 32, 32]``). A network that cannot take that input (a fixed image
+    size, another channel count it states itself) is not checked here; the first step
+    reports it.
 
     Raises:
         ValueError: the output is no tensor, has another channel count than
@@ -53,11 +59,14 @@ def check_net_output(net: nn.Module, in_channels: int, num_classes: int) -> None
             ``model.num_classes`` and the fix.
     """
     name = f"model.net ({type(net).__module__}.{type(net).__qualname__})"
+    side = PROBE_SIZE if spatial_dims == 2 else PROBE_SIZE_3D
+    spatial = (side,) * spatial_dims
+    shown = "x".join(map(str, spatial))
     training = net.training
     try:
         net.eval()
         with torch.no_grad():
-            out = net(torch.zeros(1, in_channels, PROBE_SIZE, PROBE_SIZE))
+            out = net(torch.zeros(1, in_channels, *spatial))
     except Exception:  # noqa: BLE001 - any failure here is the first step's to report
         return
     finally:
@@ -67,26 +76,31 @@ def check_net_output(net: nn.Module, in_channels: int, num_classes: int) -> None
             f"{name} returns {type(out).__name__}, not a tensor; SegmentationModule needs logits "
             f"[B, model.num_classes, H, W] (wrap the net so its forward returns the main "
             "output, e.g. the first of a deep-supervision tuple)")
-    if out.ndim != 4 or out.shape[1] != num_classes:
+    ndim = 2 + spatial_dims
+    if out.ndim != ndim or out.shape[1] != num_classes:
         got = tuple(out.shape)
-        channels = out.shape[1] if out.ndim == 4 else None
+        channels = out.shape[1] if out.ndim == ndim else None
         fix = (f"build the net with {num_classes} output channel(s) (its out_channels or "
                f"classes argument), or, if the masks hold {channels} classes, set "
                f"model.num_classes={channels} (data=folder: data.num_classes={channels})"
-               if channels else "return [B, C, H, W]")
+               if channels else ("return [B, C, H, W]" if spatial_dims == 2 else
+                                 "return [B, C, D, H, W] (or set model.spatial_dims)"))
         raise ValueError(
-            f"{name} returns logits of shape {got} for a [1, {in_channels}, {PROBE_SIZE}, "
-            f"{PROBE_SIZE}] input, but model.num_classes={num_classes} (1 = binary) needs "
-            f"[1, {num_classes}, {PROBE_SIZE}, {PROBE_SIZE}]; {fix}")
-    if tuple(out.shape[-2:]) != (PROBE_SIZE, PROBE_SIZE):
+            f"{name} returns logits of shape {got} for a {[1, in_channels, *spatial]} input, "
+            f"but model.num_classes={num_classes} (1 = binary) needs "
+            f"{[1, num_classes, *spatial]}; {fix}")
+    if tuple(out.shape[2:]) != spatial:
         raise ValueError(
-            f"{name} returns logits of spatial size {tuple(out.shape[-2:])} for a "
-            f"{PROBE_SIZE}x{PROBE_SIZE} input; segmentation logits must have the input's size "
+            f"{name} returns logits of spatial size {tuple(out.shape[2:])} for a "
+            f"{shown} input; segmentation logits must have the input's size "
             "(upsample inside the net)")
 
 
 class SegmentationModule(StrategyModule):
-    """Binary or multiclass segmentation of ``{"image": [B,3,H,W], "mask": [B,H,W]}`` batches.
+    """Binary or multiclass segmentation of ``{"image": [B,3,H,W], "mask": [B,H,W]}`` batches,
+    or of volumes ``{"image": [B,C,D,H,W], "mask": [B,D,H,W]}`` (``spatial_dims=3``): one
+    module for both, every shape following the input's; ``spatial_dims`` only sets the
+    shape of the build-time probe and of :meth:`example_batch`.
 
     Masks hold class indices (int64); pixels equal to ``ignore_index`` and, when the batch has
     a ``"valid"`` bool ``[B,H,W]`` entry (DRIVE field of view), pixels where it is False count
@@ -105,7 +119,9 @@ class SegmentationModule(StrategyModule):
     pixel accuracy over the split, ``multiclass`` = mIoU, per-class ``iou_<class>``, pixel
     accuracy), logged under ``val/`` and ``test/`` at the end of each epoch.
     Validation and test run on whole images: with ``inference`` set, by sliding-window
-    inference (:func:`remat.inference.sliding_window_inference`), else one forward pass.
+    inference (:func:`remat.inference.sliding_window_inference`; volumes by MONAI's,
+    :func:`remat.inference.volume_window_inference`, Gaussian blending), else one forward
+    pass. For volumes ``metrics=volume`` gives per-class Dice (``dice_<class>``).
 
     Args:
         arch, encoder_name, encoder_weights, in_channels, num_classes: smp model arguments
@@ -128,11 +144,13 @@ class SegmentationModule(StrategyModule):
         inference: sliding-window settings for validation/test, keys of
             :class:`remat.inference.SlidingWindow` (``patch_size``, ``overlap``,
             ``batch_size``, ``blend``, ``size_divisor``), or None for one forward pass.
+        spatial_dims: 2 (images) or 3 (volumes): the probe's and :meth:`example_batch`'s
+            shape; training and evaluation follow the batches' own shapes.
 
     Raises:
-        ValueError: ``num_classes < 1``; unknown arch/encoder; a bad ``metrics`` name or
-            ``inference`` value (naming the ``model.`` key); a ``pretrained`` file that does
-            not fit the encoder.
+        ValueError: ``num_classes < 1``; ``spatial_dims`` not 2 or 3 (3 needs ``net``);
+            unknown arch/encoder; a bad ``metrics`` name or ``inference`` value (naming the
+            ``model.`` key); a ``pretrained`` file that does not fit the encoder.
         FileNotFoundError: no ``pretrained`` file.
         remat.strategies.StageError: a stage matches no module (close names are listed).
     """
@@ -145,17 +163,24 @@ class SegmentationModule(StrategyModule):
                  arch_kwargs: dict[str, Any] | None = None, net: nn.Module | None = None,
                  metrics: str = "per_image", ignore_index: int = 255,
                  class_names: Sequence[str] | None = None,
-                 inference: dict[str, Any] | None = None, pretrained: str | None = None
-                 ) -> None:
+                 inference: dict[str, Any] | None = None, pretrained: str | None = None,
+                 spatial_dims: int = 2) -> None:
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1 (1 = binary), got {num_classes}")
+        if spatial_dims not in (2, 3):
+            raise ValueError(f"model.spatial_dims must be 2 (images) or 3 (volumes), got "
+                             f"{spatial_dims!r}")
+        if spatial_dims == 3 and net is None:
+            raise ValueError("model.spatial_dims=3 needs a 3D network in model.net (smp "
+                             "models are 2D), e.g. model=monai_unet3d")
         self.save_hyperparameters(ignore=["strategy", "optimizer", "scheduler", "net"])
+        self.spatial_dims = spatial_dims
         if net is None:
             net = build_smp_model(arch, encoder_name, encoder_weights, in_channels, num_classes,
                                   **dict(arch_kwargs or {}))
         else:
-            check_net_output(net, in_channels, num_classes)
+            check_net_output(net, in_channels, num_classes, spatial_dims)
         if pretrained is not None:
             loaded, skipped = load_encoder_weights(net, pretrained)
             log.info("model.pretrained=%s loaded into %s (%d tensors of the file skipped)",
@@ -184,14 +209,27 @@ class SegmentationModule(StrategyModule):
             for stage in ("val", "test")})
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """``[B, in_channels, H, W]`` -> logits ``[B, num_classes, H, W]``."""
+        """``[B, in_channels, H, W]`` -> logits ``[B, num_classes, H, W]`` (volumes:
+        ``[B, in_channels, D, H, W]`` -> ``[B, num_classes, D, H, W]``)."""
         return self.net(images)
 
     def infer(self, images: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, num_classes, H, W]`` of whole images at their own size: sliding-window
         inference when ``inference`` is set (under ``no_grad``), else one forward pass, with
         sides that are no multiple of :data:`SIZE_DIVISOR` padded (reflect) up to one and the
-        logits cropped back (encoders that downsample 32x need such sizes)."""
+        logits cropped back (encoders that downsample 32x need such sizes). Volumes
+        ``[B, C, D, H, W]`` go through MONAI's sliding windows when ``inference`` is set,
+        else through one forward pass padded (replicate) the same way."""
+        if images.ndim == 5:
+            if self.window is not None:
+                return volume_window_inference(self, images, self.window)
+            pads = [-side % SIZE_DIVISOR for side in images.shape[2:]]
+            if not any(pads):
+                return self(images)
+            flat = [p for pad in reversed(pads) for p in (0, pad)]
+            logits = self(torch.nn.functional.pad(images, flat, mode="replicate"))
+            d, h, w = images.shape[2:]
+            return logits[..., :d, :h, :w]
         if self.window is not None:
             return sliding_window_inference(self, images, self.window)
         height, width = images.shape[-2:]
@@ -216,14 +254,18 @@ class SegmentationModule(StrategyModule):
         """Dice + cross-entropy loss of a ``{"image", "mask"}`` batch (scalar)."""
         return self._loss(self(batch["image"]), self.target(batch))
 
-    def example_batch(self, batch_size: int, size: int,
+    def example_batch(self, batch_size: int, size: int | Sequence[int],
                       generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """Random images ``[batch_size, in_channels, size, size]`` and masks for benchmarks."""
+        """Random images ``[batch_size, in_channels, size, size]`` and masks for benchmarks;
+        with ``spatial_dims=3`` volumes ``[batch_size, in_channels, size, size, size]``, or
+        of the sides ``size`` when it is a tuple (``(h, w)`` px or ``(d, h, w)`` voxels)."""
         classes = 2 if self.binary else self.hparams.num_classes
+        spatial = ((int(size),) * self.spatial_dims if isinstance(size, int)
+                   else tuple(int(v) for v in size))
         return {
-            "image": torch.randn(batch_size, self.hparams.in_channels, size, size,
+            "image": torch.randn(batch_size, self.hparams.in_channels, *spatial,
                                  generator=generator),
-            "mask": torch.randint(0, classes, (batch_size, size, size), generator=generator),
+            "mask": torch.randint(0, classes, (batch_size, *spatial), generator=generator),
         }
 
     def _loss(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -249,7 +291,8 @@ class SegmentationModule(StrategyModule):
         if self.hparams.get("class_names") or not names:
             return
         for metrics in self.metrics.values():
-            if metrics.kind == "multiclass" and len(names) == metrics.num_classes:
+            if metrics.kind in ("multiclass", "volume") and \
+                    len(names) == max(2, metrics.num_classes):
                 metrics.class_names = list(names)
 
     def on_train_start(self) -> None:

@@ -168,8 +168,9 @@ def test_the_report_reaches_plan_log_and_the_console_once(tmp_path, capsys):
     with _hydra_job_logging(cfg):
         result = plan_run(cfg)
     command = "  python train.py " + " ".join(result["train_overrides"])
-    assert command == (f"  python train.py model=gpt_tiny +data.block_size=32 data.batch_size=1 "
-                       f"strategy=plan strategy.path={tmp_path / 'plan.json'}")
+    # planned on synthetic tokens: the command trains on a text dataset
+    assert command == (f"  python train.py model=gpt_tiny data=tinyshakespeare data.block_size=32 "
+                       f"data.batch_size=1 strategy=plan strategy.path={tmp_path / 'plan.json'}")
     console = capsys.readouterr().out.splitlines()
     head = ("plan for GPT, batch 1, size 32, 32-true, on NVIDIA H100 SXM5 80GB (h100; NVIDIA "
             "H100 Tensor Core GPU datasheet (SXM5))")
@@ -196,7 +197,7 @@ def test_effective_batch_writes_the_marked_micro_batch_plan_and_its_command(tmp_
     assert saved["batch_size"] == 2 and saved["accumulate_grad_batches"] == 1
     assert saved == result["plan"] == marked[0]["plan"]
     assert result["train_overrides"] == [
-        "model=gpt_tiny", "+data.block_size=32", "data.batch_size=2",
+        "model=gpt_tiny", "data=tinyshakespeare", "data.block_size=32", "data.batch_size=2",
         "accumulate_grad_batches=1", "strategy=plan", f"strategy.path={path}"]
     printed = "\n".join(r.getMessage() for r in caplog.records).splitlines()
     assert ("plan for micro-batch 2 x accumulate_grad_batches 1 (the fastest that fits):"

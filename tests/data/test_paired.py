@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -259,9 +260,17 @@ def test_every_datamodule_exposes_the_contract_attributes(tmp_path: Path):
     import remat.data as data
 
     names = [n for n in data.__all__ if n.endswith("DataModule") and "Text" not in n]
-    assert len(names) == 13
+    assert len(names) == 14  # the 2D datamodules and data=msd (volumes)
     for name in names:
         cls = getattr(data, name)
-        dm = cls() if name == "SyntheticSegDataModule" else cls(tmp_path)
+        if name == "MSDDataModule":  # its classes come from the task's dataset.json
+            (tmp_path / "msd").mkdir(exist_ok=True)
+            (tmp_path / "msd" / "dataset.json").write_text(json.dumps(
+                {"labels": {"0": "background", "1": "spleen"}, "modality": {"0": "CT"},
+                 "training": [{"image": "./imagesTr/a.nii.gz",
+                               "label": "./labelsTr/a.nii.gz"}]}))
+            dm = cls(tmp_path / "msd")
+        else:
+            dm = cls() if name == "SyntheticSegDataModule" else cls(tmp_path)
         expected = 2 if dm.num_classes == 1 else dm.num_classes
         assert len(dm.class_names) == expected and dm.ignore_index == 255, name

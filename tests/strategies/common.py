@@ -56,3 +56,19 @@ def assert_same_function(got, ref, rtol: float = 1e-5, atol: float = 1e-6,
     assert got[1].keys() == ref[1].keys()
     for key, grad in got[1].items():
         torch.testing.assert_close(grad, ref[1][key], rtol=rtol, atol=atol, msg=key)
+
+
+def sgd_steps(model: nn.Module, x: torch.Tensor, steps: int = 2, seed: int | None = None):
+    """``steps`` SGD steps in train mode (dropout, BatchNorm), seeded first when ``seed`` is
+    given: the last output, the last gradients by name, and the ``state_dict`` after."""
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if seed is not None:
+        torch.manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return out.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()}

@@ -22,7 +22,7 @@ from torch import nn
 
 from remat.strategies import StageError, build_strategy, is_recomputing
 from tests.strategies import axes
-from tests.strategies.common import count_calls
+from tests.strategies.common import count_calls, sgd_steps
 
 # every_k k=8: one segment longer than any chain here
 RECOMPUTING = [*axes.variants(axes.recomputing), ("every_k", {"k": 8})]
@@ -229,16 +229,7 @@ PATTERNS = {"loop": (Loop, ["blocks"]), "collect": (Collect, ["blocks"]),
 
 def _steps(model, x, steps=2):
     """Two SGD steps (dropout, BatchNorm in train mode); last output, grads, state."""
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    torch.manual_seed(11)
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        out = model(x)
-        out.square().mean().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-    return out.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()}
+    return sgd_steps(model, x, steps, seed=11)
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

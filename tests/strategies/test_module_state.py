@@ -29,6 +29,7 @@ from remat.strategies import (
     StageError,
     build_strategy,
 )
+from tests.strategies.common import sgd_steps
 
 #: every recomputing strategy of the registry, with arguments that make real segments
 RECOMPUTING = [(name, {"segments": "sqrtn"} if name == "offload" else
@@ -144,16 +145,8 @@ def _generators(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _steps(model: nn.Module, x: torch.Tensor, steps: int = 2):
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        out = model(x)
-        out.square().mean().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-    return (out.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()},
-            _generators(model))
+    """:func:`sgd_steps` and the states of the generators the modules hold after them."""
+    return (*sgd_steps(model, x, steps), _generators(model))
 
 
 def _assert_same_function(make, stages, x, refused: dict[str, str] | None = None):

@@ -63,7 +63,39 @@ def _gathered(state: dict[str, Any]) -> list[dict[str, Any]] | None:
     return every
 
 
-class _ResumableSampler(Sampler):
+class _ResumePoint:
+    """Where a train sampler's pass starts: the loader generator's state at the epoch's start
+    (recorded each pass), and the states a resume left to put back (``start``: between
+    epochs, with the global RNG; ``resume``: inside an epoch, with the indices to skip)."""
+
+    def _init_resume_point(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+        self.epoch_start: torch.Tensor | None = None
+        self.resume: tuple[torch.Tensor | None, int] | None = None
+        self.start: tuple[torch.Tensor | None, dict[str, Any] | None] | None = None
+
+    def begin_pass(self) -> int:
+        """The start of a pass: put back the states a resume left (the loader generator,
+        and the global RNG for a resume between epochs), record the generator's state as
+        the epoch's start, and return how many of this pass's indices were trained before
+        the checkpoint (0 but once after a resume inside an epoch)."""
+        skip = 0
+        if self.start is not None:  # first pass after a resume between epochs
+            (state, rng), self.start = self.start, None
+            if state is not None and self.generator is not None:
+                self.generator.set_state(state)
+            if rng is not None:
+                set_rng_state(rng)
+        if self.resume is not None:
+            (state, skip), self.resume = self.resume, None
+            if state is not None and self.generator is not None:
+                self.generator.set_state(state)
+        generator = self.generator
+        self.epoch_start = generator.get_state() if generator is not None else None
+        return skip
+
+
+class _ResumableSampler(_ResumePoint, Sampler):
     """Wraps the sampler inside a train loader's ``BatchSampler``: at the start of each pass
     it records the loader generator's state (before the epoch permutation is drawn from it)
     or, once after a resume, sets that state back and leaves out the indices of the batches
@@ -71,13 +103,10 @@ class _ResumableSampler(Sampler):
 
     def __init__(self, inner: Any, generator: torch.Generator | None) -> None:
         self.inner = inner
-        self.generator = generator
-        self.epoch_start: torch.Tensor | None = None
-        self.resume: tuple[torch.Tensor | None, int] | None = None
-        self.start: tuple[torch.Tensor | None, dict[str, Any] | None] | None = None
+        self._init_resume_point(generator)
 
     def __iter__(self) -> Iterator[int]:
-        skip = _begin_pass(self)
+        skip = self.begin_pass()
         return itertools.islice(iter(self.inner), skip, None)
 
     def __len__(self) -> int:
@@ -85,27 +114,6 @@ class _ResumableSampler(Sampler):
 
     #: one process sees the whole epoch
     num_replicas, rank = 1, 0
-
-
-def _begin_pass(sampler: _ResumableSampler | _ShardedResumableSampler) -> int:
-    """The start of a pass over ``sampler``: put back the states a resume left for it (the
-    loader generator, and the global RNG for a resume between epochs), record the
-    generator's state as the epoch's start, and return how many of this pass's indices were
-    trained before the checkpoint (0 but once after a resume inside an epoch)."""
-    skip = 0
-    if sampler.start is not None:  # first pass after a resume between epochs
-        (state, rng), sampler.start = sampler.start, None
-        if state is not None and sampler.generator is not None:
-            sampler.generator.set_state(state)
-        if rng is not None:
-            set_rng_state(rng)
-    if sampler.resume is not None:
-        (state, skip), sampler.resume = sampler.resume, None
-        if state is not None and sampler.generator is not None:
-            sampler.generator.set_state(state)
-    generator = sampler.generator
-    sampler.epoch_start = generator.get_state() if generator is not None else None
-    return skip
 
 
 class _Length:
@@ -118,7 +126,7 @@ class _Length:
         return self.n
 
 
-class _ShardedResumableSampler(DistributedSampler):
+class _ShardedResumableSampler(_ResumePoint, DistributedSampler):
     """One rank's share of a train loader's epoch, resumable: the order Lightning's own
     distributed sampler gives the loader (torch's ``DistributedSampler``: a permutation
     seeded by ``seed + epoch``, padded to a multiple of the ranks by repeating its start, or
@@ -140,13 +148,10 @@ class _ShardedResumableSampler(DistributedSampler):
                          drop_last=drop_last)
         self.inner = inner
         self.by_dataset = by_dataset
-        self.generator = generator
-        self.epoch_start: torch.Tensor | None = None
-        self.resume: tuple[torch.Tensor | None, int] | None = None
-        self.start: tuple[torch.Tensor | None, dict[str, Any] | None] | None = None
+        self._init_resume_point(generator)
 
     def __iter__(self) -> Iterator[int]:
-        skip = _begin_pass(self)
+        skip = self.begin_pass()
         order = None if self.by_dataset else list(self.inner)
         positions = super().__iter__()
         if order is not None:

@@ -285,10 +285,9 @@ class _Recorder(TorchDispatchMode):
         """Fill ``cost.selective_saved``, ``selective_flops`` and ``selective_time`` (its
         ``saved`` known) from what the preset's policy settles for the block
         (:meth:`remat.strategies.selective.RegionPolicy.settle`): the outputs of the
-        matmul, convolution and SDPA ops it caches, whether autograd saves them or not
-        (attention scores that feed a softmax), within the bytes autograd saves of the
-        block's own tensors; its recompute is every other op but those whose outputs
-        nothing reads again.
+        matmul, convolution and SDPA ops it caches (those autograd saves, and those it does
+        not where the block's recompute stays within what ``none`` holds for it); its
+        recompute is every other op but those whose outputs nothing reads again.
 
         A block whose cache would hold everything autograd saves runs without a checkpoint
         (``saves_nothing``): it keeps ``saved`` and recomputes nothing. A block the preset

@@ -79,7 +79,7 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"data._target_={cfg.data.get('_target_')} reads no image files, so it "
                          "cannot say how new images are read; predict with a checkpoint of a "
                          "file dataset (data=folder, kvasir_seg, ...) or give data=<one>")
-    volumes = hasattr(datamodule, "restore_labels")  # data=msd: NIfTI in, NIfTI out
+    volumes = hasattr(datamodule, "restore_labels")  # data=msd/volumes: NIfTI (.npy) out
     suffixes = getattr(datamodule, "input_suffixes", IMAGE_SUFFIXES)
     paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes)
     kind, colours = ("nifti", None) if volumes else mask_format(

@@ -197,11 +197,13 @@ class VolumeMaskWriter(BasePredictionWriter):
     """Write each predicted volume as a NIfTI label map ``<output>/<name>.nii.gz`` on its
     input file's grid: the probabilities go back through the datamodule's inverse
     orientation and resampling (``datamodule.restore_labels``), and the file keeps the
-    input's affine and header (data type uint8, class indices).
+    input's affine and header (data type uint8, class indices). An ``.npy`` input (no
+    affine) gets ``<output>/<name>.npy``: uint8 class indices of the input array's shape.
 
     Args:
         output: the folder (sub-folders of names made).
-        datamodule: the run's volume datamodule (:class:`remat.data.MSDDataModule`).
+        datamodule: the run's volume datamodule (:class:`remat.data.MSDDataModule`,
+            :class:`remat.data.VolumeFolderDataModule`).
         binary: the model has one output channel (foreground probability).
 
     After the loop, ``<output>/predictions.csv`` lists ``name, image, mask`` and the
@@ -223,6 +225,12 @@ class VolumeMaskWriter(BasePredictionWriter):
         for i, name in enumerate(prediction["name"]):
             source = prediction["path"][i]
             labels = self.datamodule.restore_labels(probs[i], source, self.binary)
+            if str(source).lower().endswith(".npy"):  # no affine to keep: an array again
+                target = self.output / f"{name}.npy"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                np.save(target, labels)
+                self._row(name, source, target, labels, probs.shape[1])
+                continue
             reference = nib.load(source)
             header = reference.header.copy()
             header.set_data_dtype(np.uint8)
@@ -232,12 +240,16 @@ class VolumeMaskWriter(BasePredictionWriter):
             target = self.output / f"{name}.nii.gz"
             target.parent.mkdir(parents=True, exist_ok=True)
             nib.save(image, str(target))
-            counts = np.bincount(labels.reshape(-1), minlength=max(2, probs.shape[1]))
-            row: dict[str, Any] = {"name": name, "image": source, "mask": str(target),
-                                   "shape": "x".join(str(v) for v in labels.shape)}
-            row.update({f"fraction_{k}": round(float(c) / labels.size, 6)
-                        for k, c in enumerate(counts)})
-            self.rows.append(row)
+            self._row(name, source, target, labels, probs.shape[1])
+
+    def _row(self, name: str, source: str, target: Path, labels: np.ndarray,
+             channels: int) -> None:
+        counts = np.bincount(labels.reshape(-1), minlength=max(2, channels))
+        row: dict[str, Any] = {"name": name, "image": source, "mask": str(target),
+                               "shape": "x".join(str(v) for v in labels.shape)}
+        row.update({f"fraction_{k}": round(float(c) / labels.size, 6)
+                    for k, c in enumerate(counts)})
+        self.rows.append(row)
 
     def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
         write_rows(self.output, self.rows)

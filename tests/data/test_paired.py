@@ -260,7 +260,7 @@ def test_every_datamodule_exposes_the_contract_attributes(tmp_path: Path):
     import remat.data as data
 
     names = [n for n in data.__all__ if n.endswith("DataModule") and "Text" not in n]
-    assert len(names) == 14  # the 2D datamodules and data=msd (volumes)
+    assert len(names) == 15  # the 2D datamodules, data=msd and data=volumes
     for name in names:
         cls = getattr(data, name)
         if name == "MSDDataModule":  # its classes come from the task's dataset.json

@@ -86,3 +86,25 @@ def write_msd_task(root: Path, count: int = 3, shape: Sequence[int] = (32, 32, 3
                                "label": f"./labelsTr/{n}.nii.gz"} for n in validation]
     (root / "dataset.json").write_text(json.dumps(meta, indent=2))
     return root
+
+
+def write_volume_folder(root: Path, count: int = 4, shape: Sequence[int] = (24, 24, 24),
+                        suffix: str = ".nii.gz", classes: int = 2,
+                        spacing: Sequence[float] = (1.0, 1.0, 1.0),
+                        images: str = "images/{}", labels: str = "labels/{}") -> Path:
+    """A user's volume folder ``root`` (``data=volumes``): ``count`` CT volumes
+    ``case<i>`` and their label maps, as gzipped NIfTI (``suffix=".nii.gz"``, affine from
+    ``spacing``) or NumPy arrays (``".npy"``: int16 images, uint8 labels, no affine);
+    ``images``/``labels`` place the files (``{}`` is ``case<i>`` plus the suffix).
+    Returns ``root``."""
+    for i in range(count):
+        label = draw_labels(shape, seed=i, classes=classes)
+        image = paint_ct(label, i)
+        for array, pattern in ((image, images), (label, labels)):
+            path = root / pattern.format(f"case{i}{suffix}")
+            if suffix == ".npy":
+                path.parent.mkdir(parents=True, exist_ok=True)
+                np.save(path, array)
+            else:
+                save_nifti(array, affine_for(spacing), path)
+    return root

@@ -27,6 +27,7 @@ from remat.data.msd import MSDDataModule
 from remat.data.synthetic import SyntheticSegDataModule, SyntheticSegDataset
 from remat.data.text import ByteTextDataModule, CharTextDataModule, TokenWindows
 from remat.data.verify import DataCheckError
+from remat.data.volumes import VolumeFolderDataModule
 
 __all__ = [
     "ByteTextDataModule",
@@ -50,4 +51,5 @@ __all__ = [
     "SyntheticSegDataModule",
     "SyntheticSegDataset",
     "TokenWindows",
+    "VolumeFolderDataModule",
 ]

@@ -39,7 +39,7 @@ from __future__ import annotations
 import csv
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -305,12 +305,14 @@ def _pattern_regex(name_pattern: str) -> tuple[re.Pattern[str], bool]:
     return re.compile("".join(out), re.IGNORECASE), name_pattern.endswith("*")
 
 
-def glob_names(base: Path, pattern: str, key: str) -> dict[str, Path]:
+def glob_names(base: Path, pattern: str, key: str,
+               suffixes: Sequence[str] = IMAGE_SUFFIXES) -> dict[str, Path]:
     """``{name: path}`` of the files matching ``pattern`` below ``base``.
 
     The name is what the file name's first ``*`` matched (without the suffix when the glob
     ends in ``*``), prefixed by the sub-folders between the glob's fixed part and the file;
-    a glob ending in ``*`` takes files with an image suffix (:data:`IMAGE_SUFFIXES`) only.
+    a glob ending in ``*`` takes files ending in one of ``suffixes`` only (default
+    :data:`IMAGE_SUFFIXES`; multi-part ones such as ``.nii.gz`` too).
 
     Raises:
         ValueError: the glob has no ``*`` in its file-name part, or two files get one name
@@ -336,9 +338,10 @@ def glob_names(base: Path, pattern: str, key: str) -> dict[str, Path]:
             continue
         stem = match.group(1)
         if open_suffix:
-            if path.suffix.lower() not in IMAGE_SUFFIXES:
+            suffix = next((s for s in suffixes if path.name.lower().endswith(s)), None)
+            if suffix is None:
                 continue
-            stem = stem[: len(stem) - len(path.suffix)] if path.suffix else stem
+            stem = stem[: len(stem) - len(suffix)]
         rel = path.relative_to(anchor).parent
         name = str(PurePosixPath(*rel.parts, stem)) if rel.parts else stem
         if name in found:
@@ -349,8 +352,16 @@ def glob_names(base: Path, pattern: str, key: str) -> dict[str, Path]:
     return found
 
 
-def read_pairs_csv(path: Path) -> tuple[list[ImageMaskPair], dict[str, list[str]]]:
+def read_pairs_csv(path: Path, mask_column: str = "mask",
+                   name_of: Callable[[str], str] | None = None,
+                   ) -> tuple[list[ImageMaskPair], dict[str, list[str]]]:
     """Pairs (and splits, if the CSV has a ``split`` column) from a CSV of image/mask paths.
+
+    Args:
+        path: the CSV.
+        mask_column: the column of the mask files (``label`` for volumes).
+        name_of: a pair's name from its image path when the row has no ``name``
+            (default: the path without its suffix).
 
     Raises:
         FileNotFoundError: the CSV or a file it names is missing (names the row).
@@ -358,24 +369,25 @@ def read_pairs_csv(path: Path) -> tuple[list[ImageMaskPair], dict[str, list[str]
     """
     if not path.is_file():
         raise FileNotFoundError(f"data.pairs={path}: no such file (expected a CSV with the "
-                                "columns image,mask and optionally split,name)")
+                                f"columns image,{mask_column} and optionally split,name)")
     pairs: list[ImageMaskPair] = []
     splits: dict[str, list[str]] = {}
     with path.open(newline="") as handle:
         reader = csv.DictReader(handle)
         columns = [c.strip().lower() for c in reader.fieldnames or []]
-        if not {"image", "mask"} <= set(columns):
+        if not {"image", mask_column} <= set(columns):
             raise ValueError(f"data.pairs={path}: the header must name the columns image and "
-                             f"mask (and optionally split, name); got {columns}")
+                             f"{mask_column} (and optionally split, name); got {columns}")
         seen: set[str] = set()
         for line, row in enumerate(reader, start=2):
             row = {k.strip().lower(): (v or "").strip() for k, v in row.items() if k}
-            image, mask = path.parent / row["image"], path.parent / row["mask"]
-            for kind, file in (("image", image), ("mask", mask)):
+            image, mask = path.parent / row["image"], path.parent / row[mask_column]
+            for kind, file in (("image", image), (mask_column, mask)):
                 if not file.is_file():
                     raise FileNotFoundError(f"data.pairs={path} line {line}: the {kind} {file} "
                                             "does not exist (paths are relative to the CSV)")
-            name = row.get("name") or str(PurePosixPath(row["image"]).with_suffix(""))
+            name = row.get("name") or (name_of(row["image"]) if name_of is not None else
+                                       str(PurePosixPath(row["image"]).with_suffix("")))
             if name in seen:
                 raise ValueError(f"data.pairs={path} line {line}: the name {name!r} is used "
                                  "twice; give a unique name column")
@@ -392,6 +404,59 @@ def read_pairs_csv(path: Path) -> tuple[list[ImageMaskPair], dict[str, list[str]
         raise ValueError(f"data.pairs={path}: some rows have a split and some have none; give "
                          "every row a split, or none (then data.val_fraction splits)")
     return pairs, splits
+
+
+def split_dirs(root: Path, images: str) -> list[str]:
+    """The split sub-folders (:data:`SPLIT_FOLDERS`) of ``root`` that hold the folder of the
+    ``images`` glob, when ``root`` itself does not."""
+    anchor = PurePosixPath(images).parts[0]
+    if (root / anchor).exists():
+        return []
+    return [s for s in SPLIT_FOLDERS if (root / s / anchor).is_dir()]
+
+
+def list_folder_pairs(root: Path, images: str, masks: str, pairs_csv: Path | None = None, *,
+                      suffixes: Sequence[str] = IMAGE_SUFFIXES, masks_key: str = "data.masks",
+                      mask_column: str = "mask", name_of: Callable[[str], str] | None = None,
+                      layout: str = FOLDER_LAYOUT, what: str = "image folder",
+                      ) -> tuple[list[ImageMaskPair], dict[str, list[str]]]:
+    """A user folder's pairs and its own splits (``{}`` when it has none): the rows of the
+    CSV ``pairs_csv`` (relative to ``root``), or the ``images``/``masks`` globs matched
+    (:func:`glob_names`, :func:`remat.data.layout.match_pairs`) below each split folder
+    (names prefixed ``train/``, ...) or below ``root``.
+
+    Args:
+        suffixes: file endings a glob ending in ``*`` takes.
+        masks_key, mask_column: the config key of the mask glob and the CSV's mask column,
+            for messages (``data.labels`` / ``label`` for volumes).
+        name_of: names of CSV rows without a ``name`` (see :func:`read_pairs_csv`).
+        layout, what: the expected layout and what the folder is, for messages.
+
+    Raises:
+        FileNotFoundError: no images, unpaired files, a missing CSV or file.
+        ValueError: a glob without ``*``, two files of one name, a malformed CSV.
+    """
+    if pairs_csv is not None:
+        return read_pairs_csv(pairs_csv if pairs_csv.is_absolute() else root / pairs_csv,
+                              mask_column, name_of)
+
+    def listed(base: Path, prefix: str) -> list[ImageMaskPair]:
+        found = glob_names(base, images, "data.images", suffixes)
+        labels = glob_names(base, masks, masks_key, suffixes)
+        return match_pairs(found, labels, f"the {what} {base}",
+                           f"{images} and {masks} below {base} ({layout})", prefix=prefix,
+                           root=base)
+
+    splits = split_dirs(root, images)
+    if not splits:
+        return listed(root, ""), {}
+    pairs: list[ImageMaskPair] = []
+    own: dict[str, list[str]] = {}
+    for split in splits:
+        found = listed(root / split, f"{split}/")
+        own[split] = [p.name for p in found]
+        pairs += found
+    return pairs, own
 
 
 # ----------------------------------------------------------------------------- datamodule
@@ -527,37 +592,11 @@ class FolderSegDataModule(PatchSegDataModule):
         return (candidate / anchor).is_dir() or any(
             (candidate / split / anchor).is_dir() for split in SPLIT_FOLDERS)
 
-    def _split_dirs(self, root: Path) -> list[str]:
-        """The split sub-folders of ``root`` (holding the ``images`` glob's folder) when it
-        has no top-level images."""
-        anchor = PurePosixPath(self.images).parts[0]
-        if (root / anchor).exists():
-            return []
-        return [s for s in SPLIT_FOLDERS if (root / s / anchor).is_dir()]
-
-    def _list_in(self, base: Path, prefix: str) -> list[ImageMaskPair]:
-        images = glob_names(base, self.images, "data.images")
-        masks = glob_names(base, self.masks, "data.masks")
-        where = f"the image folder {base}"
-        layout = f"{self.images} and {self.masks} below {base} ({FOLDER_LAYOUT})"
-        return match_pairs(images, masks, where, layout, prefix=prefix, root=base)
-
     def list_pairs(self, root: Path) -> list[ImageMaskPair]:
         """Pairs of the CSV, of each split folder, or of ``root`` (names prefixed with the
         split folder, ``train/case1``, when there are split folders)."""
-        self._listed_splits = {}
-        if self.pairs_csv is not None:
-            csv_path = self.pairs_csv if self.pairs_csv.is_absolute() else root / self.pairs_csv
-            pairs, self._listed_splits = read_pairs_csv(csv_path)
-            return pairs
-        splits = self._split_dirs(root)
-        if not splits:
-            return self._list_in(root, "")
-        pairs: list[ImageMaskPair] = []
-        for split in splits:
-            found = self._list_in(root / split, f"{split}/")
-            self._listed_splits[split] = [p.name for p in found]
-            pairs += found
+        pairs, self._listed_splits = list_folder_pairs(root, self.images, self.masks,
+                                                       self.pairs_csv)
         return pairs
 
     def default_split(self, names: Sequence[str]) -> dict[str, list[str]]:

@@ -1,0 +1,200 @@
+"""``data=volumes``: a user's own folder of 3D volumes, written by the test as gzipped NIfTI
+and as NumPy ``.npy`` arrays: pairing by name (globs, split folders, a CSV), classes and
+channels from the config, MONAI patches, the data check that names each bad file and what
+was expected, a 1-step run of the 3D U-Net and prediction in the input's own format."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+from hydra.utils import instantiate
+
+from remat.data import DataCheckError, MSDDataModule, VolumeFolderDataModule
+from remat.data.volume_seg import VolumeSegDataModule
+from remat.predict import predict
+from remat.train import train
+from tests.data.volumes import (
+    affine_for,
+    draw_labels,
+    paint_ct,
+    save_nifti,
+    write_volume_folder,
+)
+from tests.helpers import TINY_TRAINER, compose_app, compose_train
+
+TINY_UNET = ["model=monai_unet3d", "model.net.channels=[4,8,16,32,64]",
+             "data.patch_size=[16,16,16]", "data.batch_size=2", "data.samples_per_volume=1"]
+
+
+def _dm(root, **kwargs) -> VolumeFolderDataModule:
+    return VolumeFolderDataModule(root, patch_size=[16, 16, 16], verify=True, **kwargs)
+
+
+def test_msd_and_volumes_share_one_base():
+    assert issubclass(MSDDataModule, VolumeSegDataModule)
+    assert issubclass(VolumeFolderDataModule, VolumeSegDataModule)
+    for method in ("load_transform", "crop_transform", "setup", "restore_labels",
+                   "predict_dataset"):
+        assert method not in vars(MSDDataModule) and method not in vars(VolumeFolderDataModule)
+
+
+def test_nifti_folder_pairs_by_name_and_serves_patches(tmp_path):
+    root = write_volume_folder(tmp_path / "ct", count=4, classes=3)
+    dm = _dm(root, num_classes=3, class_names=["background", "organ", "lesion"],
+             intensity="ct", pos_neg=[1, 0], batch_size=2)
+    assert (dm.num_classes, dm.label_count, dm.in_channels) == (3, 3, 1)
+    dm.setup("fit")
+    assert sorted(dm.splits["train"] + dm.splits["val"]) == [f"case{i}" for i in range(4)]
+    assert len(dm.splits["val"]) == 1  # round(0.2 * 4), seeded
+    again = _dm(root, num_classes=3)
+    again.setup("fit")
+    assert again.splits == dm.splits
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["image"].shape == (2, 1, 16, 16, 16) and batch["mask"].shape == (2, 16, 16, 16)
+    assert set(batch["mask"].unique().tolist()) <= {0, 1, 2}
+    # labels stay aligned with the image: the painted organ is brighter than fat
+    image, mask = batch["image"][:, 0], batch["mask"]
+    assert float(image[mask == 1].mean()) > float(image[mask == 0].mean()) + 0.3
+    val = next(iter(dm.val_dataloader()))
+    assert val["image"].shape == (1, 1, 24, 24, 24) and val["name"] == dm.splits["val"]
+
+
+def test_npy_folder_reads_arrays_with_the_identity_affine(tmp_path):
+    root = write_volume_folder(tmp_path / "arrays", count=3, suffix=".npy",
+                               shape=(20, 24, 16))
+    dm = _dm(root, pixdim=[2.0, 2.0, 2.0], val_fraction=0.34)
+    dm.setup("fit")
+    val = next(iter(dm.val_dataloader()))
+    # identity affine: 1 mm voxels, so resampling to 2 mm halves every side
+    assert val["image"].shape == (1, 1, 10, 12, 8)
+    assert dm.splits["val"] == val["name"]
+
+
+def test_split_folders_globs_and_csv(tmp_path):
+    root = tmp_path / "split"
+    write_volume_folder(root, count=3, images="train/images/{}", labels="train/labels/{}")
+    write_volume_folder(root / "val", count=1)
+    dm = _dm(root)
+    dm.setup("fit")
+    assert dm.splits == {"train": ["train/case0", "train/case1", "train/case2"],
+                         "val": ["val/case0"]}
+    # BTCV-style names: img0001.nii.gz pairs with label0001.nii.gz
+    btcv = tmp_path / "btcv"
+    for i in (1, 2):
+        save_nifti(paint_ct(draw_labels((16,) * 3, i), i), affine_for((1, 1, 1)),
+                   btcv / "img" / f"img000{i}.nii.gz")
+        save_nifti(draw_labels((16,) * 3, i), affine_for((1, 1, 1)),
+                   btcv / "label" / f"label000{i}.nii.gz")
+    dm = _dm(btcv, images="img/img*.nii.gz", labels="label/label*.nii.gz")
+    assert [p.name for p in dm.list_pairs()] == ["0001", "0002"]
+    # a CSV of pairs, with its own splits
+    flat = write_volume_folder(tmp_path / "flat", count=2)
+    with (flat / "pairs.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["image", "label", "split"])
+        writer.writerow(["images/case0.nii.gz", "labels/case0.nii.gz", "train"])
+        writer.writerow(["images/case1.nii.gz", "labels/case1.nii.gz", "val"])
+    dm = _dm(flat, pairs="pairs.csv")
+    dm.setup("fit")
+    assert dm.splits == {"train": ["case0"], "val": ["case1"]}
+
+
+def test_layout_and_setting_errors_name_what_was_expected(tmp_path):
+    root = write_volume_folder(tmp_path / "v", count=2)
+    (root / "labels" / "case1.nii.gz").unlink()
+    with pytest.raises(FileNotFoundError, match=r"1 image\(s\) without a mask: "
+                                                r"images/case1.nii.gz"):
+        _dm(root).setup("fit")
+    with pytest.raises(ValueError, match="data.class_names has 2 names for 3 label values"):
+        _dm(root, num_classes=3, class_names=["background", "liver"])
+    with pytest.raises(ValueError, match="data.root is not set"):
+        _dm(None).setup("fit")
+
+
+def _refused(root, match, **kwargs) -> str:
+    with pytest.raises(DataCheckError, match=match) as caught:
+        _dm(root, **kwargs).setup("fit")
+    assert "\n" not in str(caught.value)  # one line
+    return str(caught.value)
+
+
+def test_data_check_names_each_bad_file_and_what_was_expected(tmp_path):
+    root = write_volume_folder(tmp_path / "v", count=4)
+    shape_bad = save_nifti(draw_labels((24, 24, 20), 1), affine_for((1, 1, 1)),
+                           root / "labels" / "case1.nii.gz")
+    affine_bad = save_nifti(draw_labels((24, 24, 24), 2), affine_for((1, 1, 2)),
+                            root / "labels" / "case2.nii.gz")
+    values = draw_labels((24, 24, 24), 3)
+    values[0, 0, 0] = 4
+    values_bad = save_nifti(values, affine_for((1, 1, 1)), root / "labels" / "case3.nii.gz")
+    message = _refused(root, r"3 bad volume\(s\)")
+    assert f"{shape_bad}: label of shape (24, 24, 20) but its image case1.nii.gz has " \
+           "(24, 24, 24)" in message
+    assert f"{affine_bad}: affine differs from its image case2.nii.gz" in message
+    assert "expected the same voxel grid" in message
+    assert f"{values_bad}: label values [4] are not among data.num_classes's classes 0..1" \
+        in message
+    # three classes allow 0..2, not 4
+    assert "label values [4]" in _refused(root, "bad volume", num_classes=3)
+
+
+def test_data_check_refuses_bad_npy_files(tmp_path):
+    root = write_volume_folder(tmp_path / "a", count=3, suffix=".npy")
+    (root / "images" / "case0.npy").write_bytes(b"not an array")
+    np.save(root / "labels" / "case1.npy", np.zeros((24, 24, 23), np.uint8))
+    message = _refused(root, r"2 bad volume\(s\)")
+    assert "case0.npy: not a readable .npy array" in message
+    assert "expected a NumPy array saved with numpy.save" in message
+    assert "case1.npy: label of shape (24, 24, 23) but its image case1.npy has (24, 24, " \
+           "24)" in message
+    # an .npy label next to a NIfTI image: identity vs the scanner affine
+    mixed = write_volume_folder(tmp_path / "m", count=2)
+    (mixed / "labels" / "case0.nii.gz").unlink()
+    np.save(mixed / "labels" / "case0.npy", draw_labels((24, 24, 24), 0))
+    assert "case0.npy: affine differs from its image case0.nii.gz" in _refused(mixed, "bad")
+
+
+def test_npy_folder_trains_one_step_and_predicts_arrays(tmp_path):
+    """The one fast end-to-end proof: config -> 1 training step -> validation Dice ->
+    predict writes .npy label maps of the input arrays' shape."""
+    root = write_volume_folder(tmp_path / "arrays", count=3, suffix=".npy")
+    run = tmp_path / "run"
+    cfg = compose_train(run, ["data=volumes", f"data.root={root}", *TINY_UNET,
+                              "data.limit_val=1", "strategy=sqrtn", *TINY_TRAINER])
+    assert isinstance(instantiate(cfg.data), VolumeFolderDataModule)
+    assert cfg.model.num_classes == 1 and cfg.model.in_channels == 1
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["global_step"] == 1
+    assert 0.0 <= summary["metrics"]["val/dice_foreground"] <= 1.0
+    out = tmp_path / "masks"
+    result = predict(compose_app("predict", tmp_path / "p", [
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"input={root / 'images'}",
+        f"output={out}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]))
+    assert result["count"] == 3
+    mask = np.load(out / "case0.npy")
+    assert mask.shape == (24, 24, 24) and mask.dtype == np.uint8
+    assert set(np.unique(mask).tolist()) <= {0, 1}
+
+
+def test_nifti_folder_trains_and_predicts_nifti_with_the_input_affine(tmp_path):
+    import nibabel as nib
+
+    root = write_volume_folder(tmp_path / "ct", count=3, classes=3, spacing=(1.0, 1.0, 2.0))
+    run = tmp_path / "run"
+    summary = train(compose_train(run, [
+        "data=volumes", f"data.root={root}", "data.num_classes=3", "data.intensity=ct",
+        "data.class_names=[background,organ,lesion]", "data.pixdim=[1.5,1.5,2.0]",
+        *TINY_UNET, *TINY_TRAINER]))
+    assert summary["status"] == "completed"
+    assert {"val/dice_organ", "val/dice_lesion"} <= set(summary["metrics"])
+    out = tmp_path / "masks"
+    predict(compose_app("predict", tmp_path / "p", [
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"input={root / 'images'}",
+        f"output={out}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]))
+    source = nib.load(str(root / "images" / "case0.nii.gz"))
+    mask = nib.load(str(out / "case0.nii.gz"))
+    assert mask.shape == source.shape  # back on the file's grid after resampling
+    np.testing.assert_allclose(mask.affine, source.affine)
+    assert set(np.unique(np.asarray(mask.dataobj)).tolist()) <= {0, 1, 2}

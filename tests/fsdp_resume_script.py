@@ -15,6 +15,7 @@ SIGTERM to rank 1 only during step 5 (inside epoch 1), then resumed into its fol
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +69,8 @@ def main() -> None:
         folder = out / {"resumed": "first", "killed_resumed": "killed"}.get(name, name)
         cfg = compose_train(folder, overrides(data_root, epochs,
                                               *(e.format(out=out) for e in extra)))
+        rank = os.environ.get("RANK", "?")
+        print(f"remat-test: run {name} rank {rank} starts", flush=True)
         try:
             train(cfg)
         except SystemExit as stop:  # the signalled run: 128 + SIGTERM, on every rank

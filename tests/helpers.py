@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import signal as signal_module
 import subprocess
 import sys
@@ -54,6 +55,19 @@ def subprocess_env() -> dict[str, str]:
     ``PYTHONPATH`` so that configs can name ``tests.helpers`` classes."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path)
+
+
+_LAUNCH_ERRORS = re.compile(r"terminate called|what\(\)|Traceback|Error|Exception|"
+                            r"remat-test:|Signal \d+|exitcode")
+
+
+def launch_report(output: str, tail: int = 1500) -> str:
+    """What a failed ``torch.distributed.run`` printed that says why: every line naming an
+    error, a signal or a ``remat-test:`` progress marker (the scripts print one per run
+    and rank), then the last ``tail`` characters. A C++ abort (SIGABRT) prints its cause
+    long before the launcher's summary that fills the tail."""
+    lines = [line for line in output.splitlines() if _LAUNCH_ERRORS.search(line)]
+    return "\n".join(lines[-80:]) + "\n--- tail ---\n" + output[-tail:]
 
 
 def run_python(args: list[str], cwd: Path, timeout: int = 900,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import logged, rank_losses, subprocess_env
+from tests.helpers import launch_report, logged, rank_losses, subprocess_env
 
 # 2-process gloo launches: one at a time, on one xdist worker (tests/conftest.py)
 pytestmark = pytest.mark.xdist_group("gloo")
@@ -27,7 +27,7 @@ def runs(tmp_path_factory) -> Path:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "2", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, launch_report(proc.stdout + proc.stderr)
     return out
 
 

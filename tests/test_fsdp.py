@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.fsdp_script import MEMORY_BATCH, STEPS, memory_module, run_case
+from tests.helpers import launch_report
 from tests.strategies import axes
 
 SCRIPT = Path(__file__).with_name("fsdp_script.py")
@@ -56,7 +57,7 @@ def runs(tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
         log.close()
-    assert proc.returncode == 0, (out / "log.txt").read_text()[-4000:]
+    assert proc.returncode == 0, launch_report((out / "log.txt").read_text())
     results = {c: [torch.load(out / c.replace(":", "_") / f"rank{r}.pt") for r in (0, 1)]
                for c in CASES + MEMORY + NORMS}
     return results, references

@@ -20,7 +20,14 @@ from remat.models.checks import (
 )
 from remat.train import train
 from tests.fsdp_resume_script import overrides
-from tests.helpers import compose_train, logged, rank_losses, run_python, subprocess_env
+from tests.helpers import (
+    compose_train,
+    launch_report,
+    logged,
+    rank_losses,
+    run_python,
+    subprocess_env,
+)
 
 SCRIPT = Path(__file__).with_name("fsdp_resume_script.py")
 # multi-process runs (gloo ports, 2 processes each) run one at a time under xdist
@@ -35,7 +42,7 @@ def runs(tmp_path_factory, shakespeare_root) -> Path:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
          "2", str(SCRIPT), str(out), str(shakespeare_root)], env=env, capture_output=True,
         text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, launch_report(proc.stdout + proc.stderr)
     return out
 
 

@@ -50,6 +50,20 @@ CASES = [
 @pytest.mark.parametrize("trainer,epochs,rank,batch", CASES)
 def test_sigterm_to_one_rank_during_validation(tmp_path, shakespeare_root, trainer, epochs,
                                                rank, batch):
+    _sigterm_during_validation(tmp_path, shakespeare_root, trainer, epochs, rank, batch)
+
+
+@pytest.mark.slow  # ten 2-process runs, ~5 min: the collective error came about 1 run in 3
+@pytest.mark.parametrize("repeat", range(10))
+def test_sigterm_during_validation_ten_times_without_a_traceback(tmp_path, shakespeare_root,
+                                                                  repeat):
+    # each rank in turn, each validation batch, the last validation and a middle one
+    _sigterm_during_validation(tmp_path, shakespeare_root, "fsdp", 1 + repeat // 5,
+                               repeat % 2, repeat % 3)
+
+
+def _sigterm_during_validation(tmp_path: Path, shakespeare_root: Path, trainer: str,
+                               epochs: int, rank: int, batch: int) -> None:
     out = tmp_path / "run"
     proc = run_python(_args(shakespeare_root, out, trainer, epochs, rank, batch), cwd=tmp_path,
                       env={"OMP_NUM_THREADS": "1"}, timeout=600)

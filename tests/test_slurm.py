@@ -141,3 +141,30 @@ def test_preemption_signal_writes_the_checkpoint_before_the_requeue(tmp_path, mo
     resumed = train(compose_train(run, [*base, "ckpt_path=last"]))  # the resubmitted job
     assert resumed["status"] == "completed" and resumed["global_step"] == 8
     assert logged(run, "train/loss_step") == logged(tmp_path / "straight", "train/loss_step")
+
+
+def test_preemption_reaching_another_rank_hands_every_rank_to_its_handler():
+    """Under DDP/FSDP the scheduler's signal may reach rank 1 only: rank 0, whose submitit
+    handler is the one that resubmits, must still call it once the ranks stopped. Rank 0's
+    view here: the two all-reduces (anyone stopping? anyone preempted?) say yes."""
+    import signal
+    from types import SimpleNamespace
+
+    from remat.callbacks import LastCheckpoint
+    from remat.runs import hand_on_preemption
+
+    calls = []
+    last = LastCheckpoint("unused")
+    last._preemption = (int(signal.SIGUSR2), lambda signum, frame: calls.append(signum))
+    votes = []
+
+    def reduce_boolean_decision(mine, all=True):  # noqa: A002 - Lightning's keyword
+        votes.append(mine)
+        return True  # the other rank's vote
+    trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(
+        reduce_boolean_decision=reduce_boolean_decision))
+    assert last._signalled(trainer)
+    assert votes == [False, False]  # this rank had no signal of its own
+    assert last.received_signal == "SIGUSR2" and last.deferred == last._preemption
+    hand_on_preemption([last])
+    assert calls == [signal.SIGUSR2]

@@ -118,7 +118,8 @@ class LastCheckpoint(Checkpoint):
       when a handler for it is installed at train start: as for SIGTERM; that handler is
       kept in ``deferred`` and called once the run has stopped
       (:func:`remat.runs.hand_on_preemption`), so the job is resubmitted after its
-      checkpoint is written.
+      checkpoint is written. Under DDP/FSDP every rank calls its handler when the signal
+      reached any one of them (submitit resubmits from rank 0).
 
     Nothing is written when a run fails with another exception: its state may be mid-step,
     and the last good ``last.ckpt`` is kept. Signal handlers are installed at train start in
@@ -293,8 +294,18 @@ class LastCheckpoint(Checkpoint):
         mine = self.received_signal is not None
         if trainer.world_size > 1:
             anyone = bool(trainer.strategy.reduce_boolean_decision(mine, all=False))
+            if anyone:
+                # was it the scheduler's preemption signal, on any rank? Then every rank
+                # hands on to its scheduler handler once stopped (submitit requeues from
+                # rank 0, whichever rank the signal reached). A second collective, only in
+                # the step every rank agreed to stop at
+                preempted = bool(trainer.strategy.reduce_boolean_decision(
+                    self.deferred is not None, all=False))
+                if preempted and self.deferred is None and self._preemption is not None:
+                    self.deferred = self._preemption
             if anyone and not mine:
-                self.received_signal = "SIGTERM"
+                self.received_signal = (signal.Signals(self.deferred[0]).name
+                                        if self.deferred is not None else "SIGTERM")
                 log.warning("another rank received a stop signal: stopping after this "
                             "optimizer step, with a checkpoint")
             self._stopping = anyone

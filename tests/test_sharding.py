@@ -94,6 +94,11 @@ def test_sharding_of_reads_world_size_or_the_fsdp_trainer(tmp_path):
     assert sharding_of(OmegaConf.create({"world_size": 3})) == Sharding(3, True)
     with pytest.raises(ValueError, match="world_size"):
         sharding_of(OmegaConf.create({"world_size": 0}))
+    # FSDP2 on one rank still gathers each unit while it runs: sharded, over one rank
+    cfg = compose_train(tmp_path / "d", ["trainer=fsdp", "trainer.devices=1"])
+    assert sharding_of(cfg) == Sharding(1, True, fsdp=True) != Sharding(1, True)
+    assert sharding_of(OmegaConf.create({"world_size": 1})).fsdp
+    assert not sharding_of(OmegaConf.create({"world_size": None})).fsdp
     cfg = compose_train(tmp_path / "c", ["trainer=fsdp", "trainer.devices=auto"])
     with pytest.raises(ValueError, match=r"trainer=fsdp: trainer.devices='auto'"):
         sharding_of(cfg)
@@ -133,3 +138,22 @@ def test_a_strategy_that_says_it_cannot_be_sharded_is_refused_naming_both_keys(m
     with pytest.raises(StageError, match="trainer=fsdp cannot shard a network under "
                                          "strategy=full"):
         module.configure_model()
+
+
+def test_one_rank_fsdp_estimate_counts_the_gathered_units():
+    """``trainer=fsdp trainer.devices=1``: the trace shards over a 1-rank (fake) group, as
+    the run does, so each unit's gathered parameters are counted; was traced unsharded
+    (17.8 MiB predicted, 19.3 MiB measured on the tiny GPT of experiment=shakespeare_gpt)."""
+    import torch
+
+    from remat.measure.trace import trace_step
+    from tests.fsdp_script import MEMORY_BATCH, memory_module
+
+    def run(**kw):
+        return trace_step(lambda: memory_module("sqrtn"), *MEMORY_BATCH,
+                          torch.device("cpu"), "32-true", **kw)[1]
+
+    fake, real = run(world_size=1, fsdp=True), run(world_size=1, fsdp=True, fake=False)
+    unsharded = run()
+    assert abs(fake.peak_bytes - real.peak_bytes) <= 0.03 * real.peak_bytes
+    assert fake.peak_bytes > unsharded.peak_bytes

@@ -123,7 +123,8 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
         strategy, peak = trace_step(build, batch_size, size, device, precision, fake,
                                     accumulate_grad_batches=accumulate,
                                     world_size=sharding.world_size,
-                                    reshard_after_forward=sharding.reshard_after_forward)
+                                    reshard_after_forward=sharding.reshard_after_forward,
+                                    fsdp=sharding.fsdp)
     except RuntimeError as err:
         if "overflow" in str(err).lower():
             raise ValueError(f"estimate: {size_key}={size} with data.batch_size={batch_size} "
@@ -137,7 +138,7 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     seconds = time.perf_counter() - start
     fell_back = fake and device.type == "cpu" and str(cfg.get("device", "auto")) == "auto"
     note = f"tensor-level peak on {device.type}" + (f" ({_cuda_note()})" if fell_back else "")
-    if sharding.world_size > 1:
+    if sharding.fsdp:
         note += (f"; rank 0 of {sharding.world_size} FSDP2 ranks (ZeRO-"
                  f"{3 if sharding.reshard_after_forward else 2}), batch per rank")
     return Estimate(strategy=strategy, precision=precision,

@@ -213,11 +213,18 @@ def resolve_device(device: Any = "auto") -> torch.device:
 
 @dataclass(frozen=True)
 class Sharding:
-    """How a run shards its network: ``world_size`` FSDP2 ranks (1: not sharded) and
-    whether each unit's parameters are freed after its forward (ZeRO-3) or kept (ZeRO-2)."""
+    """How a run shards its network: ``world_size`` FSDP2 ranks, whether each unit's
+    parameters are freed after its forward (ZeRO-3) or kept (ZeRO-2), and whether FSDP2
+    runs at all (``fsdp``: also over one rank, where each unit is still gathered while it
+    runs; by default whenever ``world_size > 1``)."""
 
     world_size: int = 1
     reshard_after_forward: bool = True
+    fsdp: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.fsdp is None:  # a frozen dataclass: set once, here
+            object.__setattr__(self, "fsdp", self.world_size > 1)
 
 
 def trains_sharded(cfg: Any, remat_only: bool = False) -> bool:
@@ -233,10 +240,10 @@ def trains_sharded(cfg: Any, remat_only: bool = False) -> bool:
 def sharding_of(cfg: Any) -> Sharding:
     """The sharding of a composed config.
 
-    ``remat.estimate`` and ``remat.plan`` read their top-level ``world_size`` and
-    ``reshard_after_forward``; a training config (no ``world_size``) shards when
-    ``trainer.strategy`` is remat's ``FSDP2Strategy`` (``trainer=fsdp``), over
-    ``trainer.devices x trainer.num_nodes`` ranks.
+    ``remat.estimate`` and ``remat.plan`` read their top-level ``world_size`` (set: FSDP2
+    over that many ranks, one included) and ``reshard_after_forward``; a training config
+    (``world_size`` unset) shards when ``trainer.strategy`` is remat's ``FSDP2Strategy``
+    (``trainer=fsdp``), over ``trainer.devices x trainer.num_nodes`` ranks, one included.
 
     Raises:
         ValueError: ``world_size`` is not a positive integer, or ``trainer=fsdp`` with
@@ -248,7 +255,7 @@ def sharding_of(cfg: Any) -> Sharding:
             raise ValueError(f"world_size: expected a positive integer (ranks), got "
                              f"{_get(cfg, 'world_size')!r}")
         return Sharding(world, _flag(_get(cfg, "reshard_after_forward"),
-                                     "reshard_after_forward"))
+                                     "reshard_after_forward"), fsdp=True)
     trainer = _get(cfg, "trainer")
     strategy = _get(trainer, "strategy") if trainer is not None else None
     if not trains_sharded(cfg, remat_only=True):
@@ -261,7 +268,7 @@ def sharding_of(cfg: Any) -> Sharding:
                          "the memory of one rank can be planned")
     return Sharding(int(devices) * int(nodes),
                     _flag(_get(strategy, "reshard_after_forward"),
-                          "trainer.strategy.reshard_after_forward"))
+                          "trainer.strategy.reshard_after_forward"), fsdp=True)
 
 
 def _flag(value: Any, key: str) -> bool:

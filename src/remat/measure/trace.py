@@ -212,7 +212,8 @@ def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[i
             device: torch.device, precision: str, fake: bool = True,
             accumulate_grad_batches: int = 1, count_flops: bool = False,
             world_size: int = 1, rank: int = 0, reshard_after_forward: bool = True,
-            temporaries: Any = None) -> Callable[[], tuple[str, Any]]:
+            temporaries: Any = None, fsdp: bool | None = None
+            ) -> Callable[[], tuple[str, Any]]:
     """The work of :func:`trace_step`, to run in a child: build the model (``build()``, with
     strategy applied) and measure two optimizer steps; the largest peak of their batches is
     returned.
@@ -243,7 +244,8 @@ def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[i
     ``torch.utils.flop_counter.FlopCounterMode``; its FLOPs (forward, backward and any
     recompute, optimizer excluded) are set as ``step_flops`` on the returned peak.
 
-    With ``world_size > 1`` the step is ``rank``'s under FSDP2 (``trainer=fsdp``): the
+    With ``world_size > 1`` (or ``fsdp=True``: FSDP2 on one rank, as ``trainer=fsdp
+    trainer.devices=1`` runs) the step is ``rank``'s under FSDP2 (``trainer=fsdp``): the
     network is sharded over ``world_size`` ranks with :func:`remat.sharding.shard` on a
     fake process group (``torch.testing._internal.distributed.fake_pg``: collectives do
     nothing, tensors keep their shapes), so the trace holds that rank's parameter, gradient
@@ -255,7 +257,7 @@ def step_fn(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[i
     ``allocator_peak_bytes`` is then the highest of the batches' peaks with them.
     Returns ``(strategy name, PeakMemory)``.
     """
-    if world_size > 1:
+    if world_size > 1 if fsdp is None else fsdp:
         build = _sharded_build(build, world_size, rank, reshard_after_forward, device)
 
     def run_seeded(model: nn.Module) -> tuple[str, Any]:
@@ -318,14 +320,14 @@ def _sharded_build(build: Callable[[], nn.Module], world_size: int, rank: int,
 def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tuple[int, int],
                device: torch.device, precision: str, fake: bool = True,
                accumulate_grad_batches: int = 1, count_flops: bool = False,
-               world_size: int = 1, rank: int = 0, reshard_after_forward: bool = True
-               ) -> tuple[str, Any]:
+               world_size: int = 1, rank: int = 0, reshard_after_forward: bool = True,
+               fsdp: bool | None = None) -> tuple[str, Any]:
     """Build the model (``build()``, with strategy applied) and measure two optimizer steps
     in a child process; see :func:`step_fn` (what is measured, and why two steps; the step
     of one FSDP2 rank with ``world_size > 1``). Returns ``(strategy name, PeakMemory)``."""
     return _in_child(step_fn(build, batch_size, size, device, precision, fake,
                              accumulate_grad_batches, count_flops, world_size, rank,
-                             reshard_after_forward))
+                             reshard_after_forward, fsdp=fsdp))
 
 
 def trace_steps(jobs: list[dict[str, Any]], parallel: int | None = None) -> list[Any]:

@@ -249,3 +249,19 @@ def test_never_above_none_on_swin_attention_with_large_unsaved_scores():
         k: round(v / none, 4) for k, v in peaks.items()}
     # and it still saves: the windows' scores and softmax outputs are most of the step
     assert peaks["matmul"] < 0.8 * none, round(peaks["matmul"] / none, 4)
+
+
+def test_second_backward_through_a_block_with_cached_outputs_is_refused_naming_it():
+    """Higher-order gradients (create_graph=True, then a gradient of the gradient) recompute
+    each block twice; torch's selective checkpoint hands each cached output over once."""
+    from remat.strategies.recompute import RecomputeError
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+                                   for _ in range(2)])
+    SelectiveCheckpoint("matmul").apply(model, ["blocks"])
+    x = torch.randn(4, 8, requires_grad=True)
+    (grad,) = torch.autograd.grad(model.blocks(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RecomputeError, match=r"'blocks\.\d'.*second backward"):
+        grad.square().sum().backward()

@@ -480,17 +480,6 @@ class Planner:
                                          - (none_peak - allowed) * scale))
         traces: list[tuple[int, int, float]] = []
         pool: list[tuple[Plan, Traced]] = [(floor_plan, floor)]
-        # the least costly plan modelled at the floor's peak fits whenever the floor does
-        # (its trace is what the least budget would keep); without it a larger budget could
-        # keep a costlier plan than a smaller one (SwinUNETR 3D, 64^3: 1.32x none's FLOPs at
-        # 1800.5 MiB, 1.025x at 1798.5 MiB, the same traced peak)
-        at_floor = best_plan(self.frontiers, self.base, modelled_floor, self.granularity,
-                             self.release)
-        if at_floor is not None and target > modelled_floor:
-            plan = self._plan_of(at_floor[2])
-            traced = self.trace(PlanStrategy(plan))
-            if traced.allocator_peak <= allowed:
-                pool.append((plan, traced))
         # bracket on the modelled target: (target, traced peak) of the best fitting and the
         # least overshooting plan; the floor plan fits
         low, high = (modelled_floor, floor.allocator_peak), None

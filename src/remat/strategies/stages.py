@@ -97,7 +97,9 @@ def discover_units(model: nn.Module) -> list[str]:
     ``Convolution(conv_only=True)``, an ``nn.Sequential`` holding one convolution): else
     every residual block of MONAI's DynUNet and SwinUNETR, whose convolutions are such
     chains, split into lone convolutions with its norms and activations in no unit, and
-    checkpointing them saved nothing.
+    checkpointing them saved nothing. A chain of one member that is not a layer is looked
+    into as its member is (SwinUNETR's stages ``swinViT.layers1`` ... are ModuleLists of one
+    ``BasicLayer``: its Swin blocks are the chain, its patch merging a unit).
 
     Returns:
         Paths in model order; empty when the network has neither (a single layer, or a
@@ -111,7 +113,9 @@ def discover_units(model: nn.Module) -> list[str]:
                                 and is_layer(children[0]))
 
     def is_chain(module: nn.Module) -> bool:
-        return isinstance(module, CHAIN_TYPES) and len(module) > 0 and not is_layer(module)
+        # one member is no chain to cut: its member is looked into instead (SwinUNETR's
+        # swinViT.layers1 is a ModuleList of one BasicLayer, whose blocks are the chain)
+        return isinstance(module, CHAIN_TYPES) and len(module) > 1
 
     def has_chain(module: nn.Module) -> bool:
         return any(is_chain(m) for m in module.modules())

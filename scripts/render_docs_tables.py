@@ -62,6 +62,13 @@ PAGES: dict[str, tuple[str, str, list[str]]] = {
         ["plan_acceptance_summary", "plan_acceptance_unet_r34", "plan_acceptance_fpn_r18",
          "plan_acceptance_gpt_small", "plans_for_gpus_from_a_cpu"],
     ),
+    "volumes": (
+        "3D volumes",
+        "MONAI's 3D networks on 64^3 synthetic volumes on a CPU: the estimate against the "
+        "allocator, budget plans run for real, and SwinUNETR's plans against MONAI's own "
+        "checkpointing.",
+        ["estimate_vs_allocator_3d", "plan_budget_3d", "bench_swinunetr3d_64"],
+    ),
     "scale-out": (
         "Per-rank memory under FSDP2",
         "One rank's peak with the network sharded over 2 processes.",

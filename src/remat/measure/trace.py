@@ -42,6 +42,9 @@ class Estimate:
     ``seconds`` wall time of the trace, ``device`` the device type estimated for, ``note``
     what the number means there, ``accumulate_grad_batches`` the batches per optimizer step
     traced, ``world_size`` the FSDP2 ranks (the peak is rank 0's; 1: not sharded).
+    ``allocator_peak_bytes``: the allocator's peak, with each operator's kernel temporaries
+    (measured on this CPU) and the batch, where asked for (``kernel_temporaries=true``),
+    else ``None``.
     """
 
     strategy: str
@@ -57,6 +60,7 @@ class Estimate:
     note: str = ""
     accumulate_grad_batches: int = 1
     world_size: int = 1
+    allocator_peak_bytes: int | None = None
     torch_version: str = field(default_factory=lambda: torch.__version__)
 
 
@@ -321,13 +325,14 @@ def trace_step(build: Callable[[], nn.Module], batch_size: int, size: int | tupl
                device: torch.device, precision: str, fake: bool = True,
                accumulate_grad_batches: int = 1, count_flops: bool = False,
                world_size: int = 1, rank: int = 0, reshard_after_forward: bool = True,
-               fsdp: bool | None = None) -> tuple[str, Any]:
+               temporaries: Any = None, fsdp: bool | None = None) -> tuple[str, Any]:
     """Build the model (``build()``, with strategy applied) and measure two optimizer steps
     in a child process; see :func:`step_fn` (what is measured, and why two steps; the step
-    of one FSDP2 rank with ``world_size > 1``). Returns ``(strategy name, PeakMemory)``."""
+    of one FSDP2 rank with ``world_size > 1``; ``temporaries``: measured kernel temporaries,
+    for the allocator's peak). Returns ``(strategy name, PeakMemory)``."""
     return _in_child(step_fn(build, batch_size, size, device, precision, fake,
                              accumulate_grad_batches, count_flops, world_size, rank,
-                             reshard_after_forward, fsdp=fsdp))
+                             reshard_after_forward, temporaries, fsdp=fsdp))
 
 
 def trace_steps(jobs: list[dict[str, Any]], parallel: int | None = None) -> list[Any]:

@@ -384,7 +384,12 @@ class Planner:
         candidates of least modelled peak are traced first, side by side, and of the
         others only those whose modelled peak is at most :data:`FLOOR_SKIP_RATIO` times
         the smallest peak traced so far (gpt_medium: sqrt(n) segments, 4-block segments
-        and one segment, modelled at 3-16x the floor, are not traced)."""
+        and one segment, modelled at 3-16x the floor, are not traced).
+
+        Where no candidate peaks below ``none`` (units too coarse: MONAI's 3D UNet is one
+        ``nn.Sequential`` of three blocks, the middle one nearly the whole net, whose
+        recompute holds as much as ``none`` keeps and more), the floor is ``none``'s own
+        step: no plan is ever above ``none``."""
         if getattr(self, "_floor", None) is None:
             plans = self.floor_candidates()
             keys = [repr(p.units) for p in plans]
@@ -404,7 +409,14 @@ class Planner:
             i = min((i for i, k in enumerate(keys) if k in peaks),
                     key=lambda i: peaks[keys[i]])
             self._floor = (plans[i], self.trace(PlanStrategy(plans[i])))
+            if self._floor[1].allocator_peak >= self.none.allocator_peak:
+                self._floor = (self._keep_all(), self.none)
         return self._floor
+
+    def _keep_all(self) -> Plan:
+        """The plan that checkpoints nothing (``none``'s step)."""
+        return self._plan_of({u.path: self._option(u.path, keep_segments(len(u.blocks)))
+                              for u in self.profile.units})
 
     def _option(self, path: str, segments: list[tuple[int, int, str]]) -> Option:
         """A fixed choice of segments for one unit, with segments that may not replay (a
@@ -452,8 +464,7 @@ class Planner:
         margin = self.margin_for(budget)
         allowed = budget - margin
         if self.none.allocator_peak <= allowed:
-            plan = self._plan_of({u.path: self._option(u.path, keep_segments(len(u.blocks)))
-                                  for u in self.profile.units})
+            plan = self._keep_all()
             return Planned(self._finish(plan, self.none, budget, margin),
                            self.none.allocator_peak, [], time.perf_counter() - start)
         floor_plan, floor = self.floor()

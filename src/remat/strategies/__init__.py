@@ -14,6 +14,7 @@ from remat.strategies.offload import OffloadCheckpoint
 from remat.strategies.recompute import RecomputeError, is_recomputing
 from remat.strategies.references import (
     HFGradientCheckpointing,
+    MonaiUseCheckpoint,
     TorchCheckpointSequential,
     TorchCompileMemoryBudget,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "EveryK",
     "FullCheckpoint",
     "HFGradientCheckpointing",
+    "MonaiUseCheckpoint",
     "NoCheckpoint",
     "OffloadCheckpoint",
     "RecomputeError",

@@ -1,11 +1,13 @@
 """Reference rows from outside remat, measured by ``remat.bench`` beside the strategies.
 
 torch's ``checkpoint_sequential`` (:class:`TorchCheckpointSequential`), Hugging Face's own
-activation checkpointing (:class:`HFGradientCheckpointing`) and plain ``torch.compile``
-under the partitioner's activation memory budget (:class:`TorchCompileMemoryBudget`,
-compiled rows only). They are listed, with timm's ``set_grad_checkpointing``
-(:class:`remat.strategies.TimmNative`), in :data:`remat.strategies.REFERENCES` and
-:data:`remat.strategies.COMPILED_REFERENCES`. No Lightning here.
+activation checkpointing (:class:`HFGradientCheckpointing`), MONAI's own
+``use_checkpoint=True`` of its Swin transformer blocks (:class:`MonaiUseCheckpoint`) and
+plain ``torch.compile`` under the partitioner's activation memory budget
+(:class:`TorchCompileMemoryBudget`, compiled rows only). They are listed, with timm's
+``set_grad_checkpointing`` (:class:`remat.strategies.TimmNative`), in
+:data:`remat.strategies.REFERENCES` and :data:`remat.strategies.COMPILED_REFERENCES`.
+No Lightning here.
 """
 
 from __future__ import annotations
@@ -149,6 +151,49 @@ class HFGradientCheckpointing(CheckpointStrategy):
         if hasattr(module, "_require_grads_hook"):
             module.disable_input_require_grads()
         wrapping.uninstall(module)
+
+
+class MonaiUseCheckpoint(CheckpointStrategy):
+    """Reference point from outside remat: MONAI's own activation checkpointing of its Swin
+    transformer (``SwinUNETR(use_checkpoint=True)``), switched on in place on the same net:
+    every ``monai.networks.nets.swin_unetr.SwinTransformerBlock`` inside the stages gets
+    ``use_checkpoint = True``, and then (MONAI 1.3-1.6) runs its attention half and its MLP
+    half each under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. What is
+    recomputed is MONAI's choice; the report lists the blocks. ``undo`` sets the flag back.
+
+    Raises:
+        StageError: the stages hold no MONAI Swin transformer block.
+    """
+
+    name = "monai_use_checkpoint"
+
+    def apply(self, model: torch.nn.Module, stages: Iterable[str]) -> StrategyReport:
+        resolved = resolve_stages(model, stages)
+        report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
+        blocks = [(f"{path}.{name}" if name else path, module)
+                  for path, stage in resolved for name, module in stage.named_modules()
+                  if _is_monai_swin_block(module)]
+        if not blocks:
+            raise StageError(f"{self.name} needs MONAI Swin transformer blocks "
+                             "(monai.networks.nets.swin_unetr.SwinTransformerBlock) in the "
+                             f"stages {[p for p, _ in resolved]}; "
+                             f"{type(model).__name__} has none there")
+        wrapping.unwrap_all(model)  # replaces any strategy applied before, as every one does
+        for path, block in blocks:
+            wrapping.install(block, wrapping.Wrap(self, path))  # undone by undo()
+            block.use_checkpoint = True
+            report.wrapped.append(path)
+        return report
+
+    def undo(self, module: torch.nn.Module, wrap: wrapping.Wrap) -> None:
+        """MONAI's checkpointing off again on a block ``apply`` switched on."""
+        module.use_checkpoint = False
+        wrapping.uninstall(module)
+
+
+def _is_monai_swin_block(module: torch.nn.Module) -> bool:
+    swin = sys.modules.get("monai.networks.nets.swin_unetr")
+    return swin is not None and isinstance(module, swin.SwinTransformerBlock)
 
 
 def _is_hf_checkpoint_layer(module: torch.nn.Module) -> bool:

@@ -13,6 +13,7 @@ from remat.strategies.none import NoCheckpoint
 from remat.strategies.offload import OffloadCheckpoint
 from remat.strategies.references import (
     HFGradientCheckpointing,
+    MonaiUseCheckpoint,
     TorchCheckpointSequential,
     TorchCompileMemoryBudget,
 )
@@ -39,6 +40,7 @@ REFERENCES: dict[str, type[CheckpointStrategy]] = {
     TorchCheckpointSequential.name: TorchCheckpointSequential,
     "timm_set_grad_checkpointing": TimmNative,
     HFGradientCheckpointing.name: HFGradientCheckpointing,
+    MonaiUseCheckpoint.name: MonaiUseCheckpoint,
 }
 
 #: Reference rows for ``remat.bench``'s ``compile_strategies`` only (compiled rows):

@@ -91,8 +91,15 @@ def discover_units(model: nn.Module) -> list[str]:
     (``model.stages=auto``, and the planner's candidates): every outermost chain
     (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict`` with members) and every outermost
     module with children that holds no chain and lies in none (an encoder block, a decoder,
-    a head of several layers). Leaf layers (a lone ``nn.Conv2d``) are no unit: checkpointing
-    one saves nothing.
+    a head of several layers), but for one that shares a module with a unit found before
+    it. Leaf layers (a lone ``nn.Conv2d``) are no unit: checkpointing
+    one saves nothing. A chain of one member that is a layer counts as that layer (MONAI's
+    ``Convolution(conv_only=True)``, an ``nn.Sequential`` holding one convolution): else
+    every residual block of MONAI's DynUNet and SwinUNETR, whose convolutions are such
+    chains, split into lone convolutions with its norms and activations in no unit, and
+    checkpointing them saved nothing. A chain of one member that is not a layer is looked
+    into as its member is (SwinUNETR's stages ``swinViT.layers1`` ... are ModuleLists of one
+    ``BasicLayer``: its Swin blocks are the chain, its patch merging a unit).
 
     Returns:
         Paths in model order; empty when the network has neither (a single layer, or a
@@ -100,17 +107,32 @@ def discover_units(model: nn.Module) -> list[str]:
     """
     from remat.strategies.segmented import CHAIN_TYPES
 
+    def is_layer(module: nn.Module) -> bool:
+        children = list(module.children())
+        return not children or (isinstance(module, CHAIN_TYPES) and len(children) == 1
+                                and is_layer(children[0]))
+
+    def is_chain(module: nn.Module) -> bool:
+        # one member is no chain to cut: its member is looked into instead (SwinUNETR's
+        # swinViT.layers1 is a ModuleList of one BasicLayer, whose blocks are the chain)
+        return isinstance(module, CHAIN_TYPES) and len(module) > 1
+
     def has_chain(module: nn.Module) -> bool:
-        return any(isinstance(m, CHAIN_TYPES) and len(m) > 0 for m in module.modules())
+        return any(is_chain(m) for m in module.modules())
 
     found: list[str] = []
+    taken: set[int] = set()  # the modules inside the units found so far
     for name, module in model.named_modules():
         if not name or any(name.startswith(t + ".") for t in found):
             continue
-        if isinstance(module, CHAIN_TYPES) and len(module) > 0:
+        inside = {id(m) for m in module.modules()}
+        if inside & taken:
+            # it calls modules of units found already (DynUNet's skip_layers: the same
+            # blocks as input_block ... upsamples, nested): no unit of its own
+            continue
+        if is_chain(module) or (not is_layer(module) and not has_chain(module)):
             found.append(name)
-        elif len(list(module.children())) and not has_chain(module):
-            found.append(name)
+            taken |= inside
     return found
 
 

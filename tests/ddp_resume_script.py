@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from remat.train import train
-from tests.helpers import compose_train
+from tests.helpers import compose_train, leave_process_group
 
 
 def overrides(out: Path, folder: str, *extra: str) -> list[str]:
@@ -74,6 +74,7 @@ def main() -> None:
             if rank == 0:  # the step its checkpoint holds
                 ckpt = torch.load(out / folder / "checkpoints" / "last.ckpt", weights_only=True)
                 (out / folder / "stopped_at").write_text(str(ckpt["global_step"]))
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from remat.train import train
-from tests.helpers import compose_train
+from tests.helpers import compose_train, leave_process_group
 
 
 def overrides(data_root: str, epochs: int, *extra: str) -> list[str]:
@@ -75,6 +75,7 @@ def main() -> None:
             train(cfg)
         except SystemExit as stop:  # the signalled run: 128 + SIGTERM, on every rank
             (folder / f"exit_rank{torch.distributed.get_rank()}").write_text(str(stop.code))
+    leave_process_group()
 
 
 if __name__ == "__main__":

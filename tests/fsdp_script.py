@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from remat.models import SequenceModule
 from remat.models.base import StrategyModule
 from remat.strategies import build_strategy
+from tests.helpers import leave_process_group
 
 STEPS = 3
 PER_RANK = 2
@@ -196,6 +197,7 @@ def main() -> None:
         folder = out / case.replace(":", "_")
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(result, folder / f"rank{rank}.pt")
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -61,6 +61,17 @@ _LAUNCH_ERRORS = re.compile(r"terminate called|what\(\)|Traceback|Error|Exceptio
                             r"remat-test:|Signal \d+|exitcode")
 
 
+def leave_process_group() -> None:
+    """End of a multi-process test script: every rank waits for the others, then closes its
+    process group, so no rank's process exits while another still talks to it (gloo aborts
+    a rank whose peer closed the connection under it: SIGABRT, no Python traceback)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def launch_report(output: str, tail: int = 1500) -> str:
     """What a failed ``torch.distributed.run`` printed that says why: every line naming an
     error, a signal or a ``remat-test:`` progress marker (the scripts print one per run

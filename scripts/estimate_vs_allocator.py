@@ -12,7 +12,10 @@ Any ``estimate``-config override is accepted; prints one CSV line per strategy (
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -23,9 +26,18 @@ from plan_acceptance import allocator_peak  # noqa: E402
 
 from remat.build import build_from_config  # noqa: E402
 from remat.config import config_dir  # noqa: E402
-from remat.estimate import estimate  # noqa: E402
 
 MIB = 2**20
+
+
+def _estimate(overrides: list[str]) -> dict:
+    """``python -m remat.estimate device=cpu kernel_temporaries=true <overrides>`` as a user
+    runs it; its ``estimate.json``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "remat.estimate", "device=cpu",
+                        "kernel_temporaries=true", *overrides, f"hydra.run.dir={tmp}"],
+                       check=True, stdout=subprocess.DEVNULL)
+        return json.loads((Path(tmp) / "estimate.json").read_text())
 
 
 def main(argv: list[str]) -> None:
@@ -39,15 +51,16 @@ def main(argv: list[str]) -> None:
         with initialize_config_dir(str(config_dir()), version_base="1.3"):
             cfg = compose("estimate", overrides=["device=cpu", f"strategy={name}",
                                                  "kernel_temporaries=true", *args.overrides])
-        est = estimate(cfg)
+        est = _estimate([f"strategy={name}", *args.overrides])
         build, _, batch, size = build_from_config(cfg)
         measured = allocator_peak(build.with_strategy, instantiate(cfg.strategy), batch, size,
                                   str(cfg.precision))
-        cats = est.categories
+        cats, tensors, allocator = (est["categories"], est["peak_bytes"],
+                                    est["allocator_peak_bytes"])
         print(f"{cfg.model.net._target_.rsplit('.', 1)[-1]},{name},"
-              f"{est.peak_bytes / MIB:.1f} MiB,{est.allocator_peak_bytes / MIB:.1f} MiB,"
-              f"{measured / MIB:.1f} MiB,{est.peak_bytes / measured:.4f},"
-              f"{est.allocator_peak_bytes / measured:.4f},"
+              f"{tensors / MIB:.1f} MiB,{allocator / MIB:.1f} MiB,"
+              f"{measured / MIB:.1f} MiB,{tensors / measured:.4f},"
+              f"{allocator / measured:.4f},"
               f"{cats['optimizer_state'] / MIB:.1f} MiB,{cats['parameters'] / MIB:.1f} MiB",
               flush=True)
 

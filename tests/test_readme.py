@@ -35,7 +35,9 @@ APPS = {"train.py": "train", "remat.train": "train", "remat-train": "train",
         "remat-estimate": "estimate", "remat.eval": "eval", "remat-eval": "eval",
         "remat.plan": "plan", "remat-plan": "plan", "remat.predict": "predict",
         "remat-predict": "predict",
-        "scripts/plan_acceptance.py": "estimate"}  # it composes estimate.yaml
+        # these scripts compose estimate.yaml from their overrides (their --flags aside)
+        "scripts/plan_acceptance.py": "estimate", "scripts/estimate_vs_allocator.py": "estimate",
+        "scripts/budget_fraction_check.py": "estimate"}
 NOT_COMPOSED = ("make ", "pip ", "bash scripts/gpu_check.sh", "python -m remat.report",
                 "remat-report", "python scripts/render_docs_tables.py")
 
@@ -94,8 +96,13 @@ def _composable(args: list[str]) -> list[str]:
     """Overrides as ``compose`` takes them: no ``-m``, a sweep at its first value,
     placeholders filled."""
     out = []
+    flag_value = False
     for arg in args:
-        if arg == "-m":
+        if flag_value and "=" not in arg and not arg.startswith("--"):
+            flag_value = False
+            continue  # a script flag's value (--fraction 0.6)
+        flag_value = arg.startswith("--")
+        if arg == "-m" or flag_value:
             continue
         key, _, value = arg.partition("=")
         if "," in value and not value.startswith(("[", "{", "'")):

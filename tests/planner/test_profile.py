@@ -39,7 +39,9 @@ class Chain(nn.Module):
         super().__init__()
         make = {"attention": Attention,
                 "gpt": lambda: GPTBlock(WIDTH, HEADS, dropout=0.1)}[block]
-        self.net = nn.Sequential(nn.Sequential(make()))  # a chain of one block: "0.0"
+        # a chain of two blocks, "0.0" and "0.1" (a chain of one is looked into: its one
+        # member's children would be the units)
+        self.net = nn.Sequential(nn.Sequential(make(), make()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -52,8 +54,9 @@ class Chain(nn.Module):
 
 
 def kept_after_forward(block: str, strategy) -> int:
-    """Bytes the block's forward leaves alive for its backward on a real run, its input
-    included (MemTracker: what the forward adds, less the block's output, plus the input)."""
+    """Bytes one block's forward leaves alive for its backward on a real run, its input
+    included (MemTracker: what the chain's forward adds, less its output, plus its input;
+    half of it: the chain's two blocks are alike and each keeps its own input)."""
     torch.manual_seed(0)
     model = Chain(block).train()
     strategy.apply(model, ["net.0"])
@@ -67,7 +70,9 @@ def kept_after_forward(block: str, strategy) -> int:
         out = model(x)
         after = tracker.get_tracker_snapshot()
     added = sum(s["Total"] for s in after.values()) - sum(s["Total"] for s in before.values())
-    return added - out.untyped_storage().nbytes() + x.untyped_storage().nbytes()
+    kept = added - out.untyped_storage().nbytes() + x.untyped_storage().nbytes()
+    assert kept % 2 == 0
+    return kept // 2
 
 
 @pytest.fixture(scope="module")

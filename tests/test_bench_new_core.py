@@ -10,6 +10,8 @@ core lands.
 
 from __future__ import annotations
 
+import pytest
+
 from remat.bench import bench
 from tests.helpers import compose_config
 from tests.test_bench import HF_LLAMA_TINY
@@ -25,6 +27,7 @@ def test_bench_hf_llama_none_full_sqrtn_match_and_stay_below_none(tmp_path, caps
     assert "hf_gradient_checkpointing" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_compiled_full_and_sqrtn_rows_on_a_gpt_small_like_stack(tmp_path):
     cfg = compose_config("bench", tmp_path, [
         "model=gpt_small", "model.n_layer=4", "model.n_embd=32", "model.n_head=4",

@@ -42,6 +42,7 @@ def test_accumulation_raises_the_peak_the_old_two_batch_window_missed(tmp_path):
     assert summary["peak_memory_bytes"] == max(peaks) > 1.05 * max(peaks[:2])
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_resumed_run_with_another_strategy_measures_its_own_steps(tmp_path):
     # 160 px: activations outweigh the optimizer step, so the strategies' peaks differ
     big = [*SMALL, "data.image_size=160", "data.num_train=4"]

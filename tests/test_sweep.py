@@ -48,6 +48,7 @@ def test_ablation_job_whose_batch_does_not_resolve_writes_a_failed_summary(tmp_p
     assert [(j.job, j.status) for j in collect(tmp_path)] == [(tmp_path.name, "failed")]
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_submitit_local_multirun_with_one_failing_job(tmp_path):
     sweep = tmp_path / "sweep"
     env = dict(os.environ, PYTHONWARNINGS="ignore")

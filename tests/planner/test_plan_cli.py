@@ -227,6 +227,7 @@ def test_effective_batch_with_no_micro_batch_that_fits_is_an_infeasible_budget(t
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_bad_planner_settings_and_infeasible_budgets_end_a_run_without_a_traceback(
         tmp_path, capsys):
     """``python train.py strategy=budget strategy.memory=abc`` and ``python -m remat.plan

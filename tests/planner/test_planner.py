@@ -224,6 +224,7 @@ def test_floor_skips_candidates_modelled_far_above_and_plans_as_before(gpt_long,
         skipping.plan(int(floor.allocator_peak * 0.97))
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_offload_lowers_the_floor_for_a_gpu_and_keeps_the_function(gpt_long):
     """Planning for a GPU with a host link (h100), offload segments keep their inputs in
     host memory: the traced floor is below recomputing block by block, a budget between
@@ -268,6 +269,7 @@ def test_meta_host_is_for_fake_traces_only():
         HostOffload(False, host="cuda")
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_first_plan_is_traced_beside_the_fixed_strategies_modelled_cheaper(gpt_long,
                                                                           monkeypatch):
     """Beside the search's first plan, the references :meth:`Planner.plan` would trace at
@@ -420,6 +422,7 @@ def test_candidates_of_a_named_sequential_use_its_member_names():
     assert units["block"] and all(b in named for b in units["block"])
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_a_shared_in_place_activation_in_a_chain_plans_and_keeps_the_function(tmp_path):
     """MONAI's SegResNet puts its one ``ReLU(inplace=True)`` module (``act_mod``) into its
     final ``nn.Sequential`` (``conv_final.1``): the profile found no module of that name

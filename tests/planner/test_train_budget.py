@@ -93,6 +93,7 @@ def _frontier(tmp_path, extra):
     return plan_run(cfg)
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_plan_cli_frontier_files(tmp_path):
     result = _frontier(tmp_path, ["budgets=2", "fixed=false"])
     rows = (tmp_path / "frontier.csv").read_text().splitlines()

@@ -83,6 +83,7 @@ def _planned(tmp_path, model: str):
 
 @pytest.mark.parametrize("model", [
     "monai_dynunet3d", pytest.param("monai_swinunetr3d", marks=pytest.mark.slow)])
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_budget_plan_at_60_percent_of_none_or_the_floor_fits(tmp_path, model):
     planner, plan, budget, measured, none = _planned(tmp_path, model)
     assert measured <= budget < none, (plan.summary(), measured, budget, none)
@@ -92,6 +93,7 @@ def test_budget_plan_at_60_percent_of_none_or_the_floor_fits(tmp_path, model):
                for u in planner.profile.units)
 
 
+@pytest.mark.slow  # > 15 s on 2 cores: make test-all
 def test_the_floor_is_never_above_none(tmp_path):
     """MONAI's UNet is one nn.Sequential of three blocks, the middle one nearly the whole
     net: no recompute keeps less than none; the floor is then none's own step."""

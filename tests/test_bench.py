@@ -402,6 +402,7 @@ def test_compiled_rows_are_timed_in_the_same_rounds_as_the_eager_rows(monkeypatc
     assert rows[1].eager_time_ratio / none.eager_time_ratio == pytest.approx(rows[1].time_ratio)
 
 
+@pytest.mark.slow  # > 5 s on 2 cores and not the only proof: make test-all
 def test_compiled_rows_past_dynamos_recompile_limit_are_still_compiled(monkeypatch):
     """nn.Module.compile shares Module._call_impl's code object, whose cache holds
     recompile_limit entries (8), earlier rows' included: each row gets a code object of

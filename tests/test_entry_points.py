@@ -16,6 +16,7 @@ FAST = ["data.image_size=64", "data.num_train=8", "data.num_val=4", "trainer.acc
         "trainer.enable_model_summary=false"]
 
 
+@pytest.mark.slow  # > 5 s on 2 cores and not the only proof: make test-all
 def test_module_entry_point_is_the_same_app(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_python(["-m", "remat.train", "strategy=full", "trainer.max_steps=1", *FAST,
@@ -60,6 +61,7 @@ def test_gpu_check_script_runs_small_on_cpu(tmp_path):
     assert "measured / predicted" in (out / "plans.md").read_text()
 
 
+@pytest.mark.slow  # > 5 s on 2 cores and not the only proof: make test-all
 def test_a_non_editable_install_finds_its_config_tree(tmp_path):
     """The wheel carries the Hydra config tree (``remat/configs/``): installed without the
     repository, the package composes its configs from inside itself."""

@@ -126,6 +126,7 @@ def test_entry_point_prints_the_table_and_refuses_compile(tmp_path):
     assert bad.returncode == 2 and "cannot be estimated" in bad.stderr
 
 
+@pytest.mark.slow  # > 5 s on 2 cores and not the only proof: make test-all
 def test_timm_vit_segmenter_is_estimated(tmp_path):
     # timm's init calls data-dependent ops (trunc_normal_ -> .item()) that FakeTensorMode
     # refuses; the model is then built on the meta device and turned into fake tensors

@@ -78,6 +78,7 @@ def test_the_trace_with_temporaries_is_the_allocator_peak(tmp_path):
         assert measured - traced.peak_bytes > 0.01 * measured  # what the tensors miss
 
 
+@pytest.mark.slow  # > 5 s on 2 cores and not the only proof: make test-all
 def test_planning_for_a_gpu_measures_temporaries_where_asked(tmp_path, monkeypatch):
     """``temporaries=true`` for a GPU plan measures them (on this CPU here: no GPU; on the
     GPU present when there is one) and keeps the measured margin; by default a GPU plan

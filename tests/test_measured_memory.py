@@ -19,7 +19,8 @@ def _close(summary: dict) -> tuple[int, int]:
     return measured, estimate["peak_bytes"]
 
 
-@pytest.mark.parametrize("accumulation", [1, 2, 4])
+@pytest.mark.parametrize("accumulation", [
+    1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_measured_peak_covers_optimizer_steps_and_matches_the_estimate(tmp_path, accumulation):
     summary = train(compose_train(tmp_path, [*SMALL, "strategy=sqrtn", "trainer.max_steps=2",
                                              f"accumulate_grad_batches={accumulation}"]))

@@ -74,6 +74,7 @@ def test_eval_scores_the_folder_at_native_size(trained, tmp_path):
     assert sorted((int(r["height"]), int(r["width"])) for r in rows) == sorted(SIZES * 3)
 
 
+@pytest.mark.slow  # > 5 s on 2 cores and not the only proof: make test-all
 @pytest.mark.parametrize("trained", ["01"], indirect=True)
 def test_the_command_lines_take_the_runs_own_keys_without_plus(trained, tmp_path):
     """remat.eval data.root=<another folder> (documented; it failed with 'Key root is not in

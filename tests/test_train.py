@@ -144,6 +144,7 @@ def test_missing_kvasir_root_says_what_layout_is_expected(tmp_path):
         train(cfg)
 
 
+@pytest.mark.slow  # > 5 s on 2 cores and not the only proof: make test-all
 def test_compile_strategy_trains_and_says_why_memory_was_not_tracked(tmp_path):
     summary = train(compose_train(tmp_path, [*TINY, "strategy=compile",
                                              "strategy.backend=aot_eager"]))

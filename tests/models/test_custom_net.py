@@ -52,7 +52,8 @@ def test_sqrtn_on_auto_stages_gives_none_s_gradients(tmp_path):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("net", [PLAIN, MONAI], ids=["plain", "monai"])
+@pytest.mark.parametrize("net", [PLAIN, pytest.param(MONAI, marks=pytest.mark.slow)],
+                         ids=["plain", "monai"])
 def test_budget_plans_a_net_given_by_target(tmp_path, net):
     """A budget below none's predicted peak makes the plan recompute some unit."""
     none = estimate(compose_config("estimate", tmp_path / "est",

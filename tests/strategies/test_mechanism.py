@@ -363,3 +363,23 @@ def test_unwrap_all_leaves_no_trace(gpt):
         assert unwrap_all(model) > 0
         assert not any("forward" in vars(m) or "_remat_wrap" in vars(m) for m in model.modules())
         assert not model._forward_hooks
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 2, 2), (4, 3, 32, 32)], ids=["tiny", "small"])
+def test_one_segment_over_a_whole_norm_chain_is_not_above_none(shape):
+    """every_k with k = the chain's length: one segment recomputes all four conv-BN blocks,
+    whose running statistics the replay writes into copies; at a tiny input (activations
+    as small as the statistics) that once put the segment above none."""
+    make, _, stages = BLOCK_KINDS["conv_bn_relu"]
+    torch.manual_seed(0)
+    base, x = make(), torch.randn(shape)
+    peaks = {}
+    for name, overrides in (("none", {}), ("every_k", {"k": 4})):
+        model = copy.deepcopy(base).train()
+        build_strategy(name, **overrides).apply(model, stages)
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        with PeakMemory("cpu", modules=[model]) as peak:
+            model(x).square().mean().backward()
+        peaks[name] = peak.peak_bytes
+    assert peaks["every_k"] <= peaks["none"], peaks

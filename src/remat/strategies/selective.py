@@ -404,21 +404,33 @@ class RegionPolicy:
             cache hands each entry over once, so a consumed entry is freed)."""
             last: dict[tuple, int] = {}
             for k, js in readers.items():
-                running = [j for j in js if j not in cached and j not in dead_ops]
-                if running:
-                    last[k] = max(running)
-            live = {k: self.produced.get(k, 0) for i in cached for k in ops[i].made
-                    if k not in dead}
-            peak = sum(live.values())
+                for j in reversed(js):  # readers are in op order
+                    if j not in cached and j not in dead_ops:
+                        last[k] = j
+                        break
+            live: dict[tuple, int] = {}
+            frees: dict[int, list[tuple]] = {}  # op index -> storages freed after it
+            for i in cached:
+                for k in ops[i].made:
+                    if k not in dead and k not in live:
+                        live[k] = self.produced.get(k, 0)
+                        if k not in needed:
+                            frees.setdefault(last.get(k, -1), []).append(k)
+            total = peak = sum(live.values())
+            for k in frees.pop(-1, ()):
+                total -= live.pop(k)
             for i, op in enumerate(ops):
-                if i in cached or op.alias:
-                    continue
-                made = {k: self.produced.get(k, 0) for k in op.made if k not in live}
-                peak = max(peak, sum(live.values()) + sum(made.values()))
-                if i not in dead_ops:
-                    live.update(made)
-                for k in [k for k in live if k not in needed and last.get(k, -1) <= i]:
-                    del live[k]
+                if not (i in cached or op.alias):
+                    made = {k: self.produced.get(k, 0) for k in op.made if k not in live}
+                    peak = max(peak, total + sum(made.values()))
+                    if i not in dead_ops:
+                        for k, n in made.items():
+                            live[k] = n
+                            total += n
+                            if k not in needed:
+                                frees.setdefault(max(last.get(k, i), i), []).append(k)
+                for k in frees.pop(i, ()):
+                    total -= live.pop(k, 0)
             return peak
 
         dead_ops, dead = unread()

@@ -165,7 +165,8 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
                     device=device.type, batch_size=batch_size, size=size, size_key=size_key,
                     peak_bytes=int(peak.peak_bytes), categories=peak.categories,
                     seconds=seconds, fake=fake, note=note, accumulate_grad_batches=accumulate,
-                    world_size=sharding.world_size, allocator_peak_bytes=allocator)
+                    world_size=sharding.world_size, allocator_peak_bytes=allocator,
+                    fsdp=bool(sharding.fsdp))
 
 
 def _wants_temporaries(cfg: DictConfig) -> bool:
@@ -198,7 +199,7 @@ def format_estimate(est: Estimate) -> str:
              f"batch {est.batch_size}, {est.size_key}={est.size}, "
              + (f"accumulate_grad_batches={est.accumulate_grad_batches}, "
                 if est.accumulate_grad_batches > 1 else "")
-             + (f"one of {est.world_size} FSDP2 ranks, " if est.world_size > 1 else "")
+             + (f"one of {est.world_size} FSDP2 ranks, " if est.fsdp else "")
              + f"device {est.device} ({est.seconds:.1f} s)"]
     for name, value in est.categories.items():
         if name != "total":

@@ -97,6 +97,9 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
                                      enable_checkpointing=False)
     with mark_in_loop():
         trainer.predict(model, dataloaders=loader, return_predictions=False)
+    if volumes:  # NIfTI for NIfTI inputs, .npy for .npy inputs
+        kind = "/".join(sorted({"npy" if str(r["mask"]).endswith(".npy") else "nifti"
+                                for r in writer.rows})) or kind
     log.info("%d %s masks written to %s (list: %s)", len(writer.rows), kind, output,
              output / "predictions.csv")
     return {"output": str(output), "count": len(writer.rows), "format": kind,

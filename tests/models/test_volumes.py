@@ -122,6 +122,9 @@ def test_eval_scores_every_volume_with_per_class_dice(trained, tmp_path):
     # the same weights on the same val volume: the run's own last validation
     assert scores["val/dice_spleen"] == pytest.approx(summary["metrics"]["val/dice_spleen"],
                                                       abs=1e-5)
+    # per-volume rows give all three sides of the volume
+    rows = list(csv.DictReader((tmp_path / "per_image.csv").open()))
+    assert rows and all(int(r["depth"]) > 0 and int(r["height"]) > 0 for r in rows)
 
 
 def test_predict_writes_nifti_with_the_inputs_affine_and_header(trained, task, tmp_path):

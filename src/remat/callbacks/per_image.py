@@ -25,8 +25,9 @@ def _group(pattern: re.Pattern[str], name: str) -> str:
 class PerImageMetrics(L.Callback):
     """Score every image of a validation or test run on its own; write ``per_image.csv``.
 
-    For each image of the split: ``name``, ``height``, ``width`` (pixels), ``group`` (with
-    ``group_by``) and every metric of the module's set (``model.metrics``) computed on that
+    For each image of the split: ``name``, ``depth`` (volumes only), ``height``, ``width``
+    (pixels or voxels), ``group`` (with ``group_by``) and every metric of the module's set
+    (``model.metrics``) computed on that
     image alone (:meth:`remat.models.metrics.SegmentationMetrics.score_one`). With
     ``group_by`` (a regex whose first group names an image's group, e.g. the city of an Inria
     tile ``austin3``), :attr:`groups` also pools the metrics over each group's pixels.
@@ -98,8 +99,10 @@ class PerImageMetrics(L.Callback):
         names = batch.get("name") or [f"{len(self.rows) + i:05d}" for i in range(len(preds))]
         for i, name in enumerate(names):
             one_pred, one_target = preds[i:i + 1], target[i:i + 1]
-            row: dict[str, Any] = {"name": name, "height": int(target.shape[-2]),
-                                   "width": int(target.shape[-1])}
+            row: dict[str, Any] = {"name": name}
+            if getattr(pl_module, "spatial_dims", 2) == 3:  # volumes: [B, D, H, W] targets
+                row["depth"] = int(target.shape[-3])
+            row.update(height=int(target.shape[-2]), width=int(target.shape[-1]))
             if self.pattern is not None:
                 group = row["group"] = _group(self.pattern, name)
                 if group not in self.groups:

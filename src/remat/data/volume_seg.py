@@ -94,7 +94,8 @@ def read_volume(path: Path, data: bool) -> tuple[tuple[int, ...], np.ndarray, np
 
 
 def check_volume_pair(pair: VolumePair, classes: int, channels: int,
-                      atol: float = 1e-3, source: str = "the task") -> str | None:
+                      atol: float = 1e-3, source: str = "the task",
+                      channel_source: str | None = None) -> str | None:
     """The problem of one image/label pair, or None: a file that cannot be read, an image
     that is not 3D (or 4D with ``channels`` volumes on its last axis), a label of another
     shape or affine than its image, or label values that are no integer in
@@ -104,7 +105,8 @@ def check_volume_pair(pair: VolumePair, classes: int, channels: int,
         classes: label values allowed.
         channels: volumes per image.
         atol: largest difference of two affines' entries counted as equal (mm).
-        source: where ``classes`` and ``channels`` come from, for messages
+        source: where ``classes`` come from, for messages
+        channel_source: where ``channels`` comes from (default: ``source``)
             (``dataset.json``, ``data.num_classes``).
 
     Returns:
@@ -115,13 +117,15 @@ def check_volume_pair(pair: VolumePair, classes: int, channels: int,
         label_shape, label_affine, values = read_volume(pair.label, data=True)
     except ValueError as err:
         return str(err)
+    channel_source = channel_source or source
     expected = 3 if channels == 1 else 4
     if len(shape) != expected and not (channels == 1 and len(shape) == 4 and shape[3] == 1):
         return (f"{pair.image}: image of shape {shape}; expected 3D"
                 + (f" x {channels} channels on the last axis (4D)" if channels > 1 else "")
-                + f" ({source})")
+                + f" ({channel_source}={channels})")
     if channels > 1 and shape[3] != channels:
-        return f"{pair.image}: {shape[3]} channels; expected {channels} ({source})"
+        return (f"{pair.image}: {shape[3]} channels; expected {channels} "
+                f"({channel_source}={channels})")
     if tuple(label_shape[:3]) != shape[:3] or len(label_shape) > 3 and label_shape[3:] != (1,):
         return (f"{pair.label}: label of shape {tuple(label_shape)} but its image "
                 f"{pair.image.name} has {shape[:3]}")
@@ -138,13 +142,15 @@ def check_volume_pair(pair: VolumePair, classes: int, channels: int,
 
 
 def verify_volumes(pairs: Sequence[VolumePair], classes: int, channels: int,
-                   title: str, source: str = "the task") -> None:
+                   title: str, source: str = "the task",
+                   channel_source: str | None = None) -> None:
     """Check every pair (:func:`check_volume_pair`) before training.
 
     Raises:
         DataCheckError: one line naming each bad file and what is wrong.
     """
-    problems = [p for p in (check_volume_pair(pair, classes, channels, source=source)
+    problems = [p for p in (check_volume_pair(pair, classes, channels, source=source,
+                                              channel_source=channel_source)
                             for pair in pairs) if p]
     if problems:
         raise DataCheckError(f"{title}: {len(problems)} bad volume(s): " + "; ".join(problems))
@@ -263,6 +269,7 @@ class VolumeSegDataModule(SplitDataModule):
     title = "volumes"
     root_hint = "data.root is not set"
     source = "the task"
+    channel_source: str | None = None  # where in_channels comes from (default: source)
     ignore_index = IGNORE_INDEX
     #: files ``remat.predict`` reads from an input folder
     input_suffixes: tuple[str, ...] = NIFTI_SUFFIXES
@@ -445,7 +452,7 @@ class VolumeSegDataModule(SplitDataModule):
         if pairs and should_verify(self.verify, 2 * len(pairs)):
             verify_volumes(pairs, self.label_count, self.in_channels,
                            f"{self.title} at {self.root} ({' and '.join(todo)} split)",
-                           self.source)
+                           self.source, self.channel_source)
         self._verified.update(todo)
 
     # ---------------------------------------------------------------- prediction

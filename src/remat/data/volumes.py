@@ -68,6 +68,7 @@ class VolumeFolderDataModule(VolumeSegDataModule):
     root_hint = ("data.root is not set: give the folder of your volumes (holding images/ and "
                  f"labels/), e.g. data.root=/data/my_volumes; expected {VOLUMES_LAYOUT}")
     source = "data.num_classes"
+    channel_source = "data.in_channels"
     input_suffixes = VOLUME_SUFFIXES
 
     def __init__(self, root: str | Path | None, images: str = "images/*",

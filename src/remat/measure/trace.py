@@ -41,7 +41,8 @@ class Estimate:
     ``optimizer_state``, ``activations``, ``temporaries``, ``other``, ``total``) in bytes,
     ``seconds`` wall time of the trace, ``device`` the device type estimated for, ``note``
     what the number means there, ``accumulate_grad_batches`` the batches per optimizer step
-    traced, ``world_size`` the FSDP2 ranks (the peak is rank 0's; 1: not sharded).
+    traced, ``world_size`` the FSDP2 ranks (the peak is rank 0's) and ``fsdp`` whether the
+    step was sharded at all (also over one rank).
     ``allocator_peak_bytes``: the allocator's peak, with each operator's kernel temporaries
     (measured on this CPU) and the batch, where asked for (``kernel_temporaries=true``),
     else ``None``.
@@ -61,6 +62,7 @@ class Estimate:
     accumulate_grad_batches: int = 1
     world_size: int = 1
     allocator_peak_bytes: int | None = None
+    fsdp: bool = False
     torch_version: str = field(default_factory=lambda: torch.__version__)
 
 

@@ -29,9 +29,10 @@ Never more than ``none``. Whatever the preset, a block keeps at most what autogr
 would have kept for it: the policy's "save" decisions are candidates, and at the end of the
 block's forward, a candidate whose output autograd did not save for backward (seen through a
 saved-tensor hook under the checkpoint's) is turned into a recompute, and so is a saved op
-whose output a recomputed op needs but autograd does not (:meth:`RegionPolicy.settle`). The
-cache then holds only tensors autograd saved, and the recompute in backward brings back the
-rest of them: at no moment does the block hold more than under ``none``. So ``attention`` on
+whose output a recomputed op needs but autograd does not (:meth:`RegionPolicy.settle`). A
+matmul output autograd does not save stays cached only where a simulation of the block's
+recompute in backward (when every tensor autograd saved comes back) finds it held no longer
+than the block's bytes under ``none`` allow. So ``attention`` on
 a fused-SDPA block saves the projections and keeps no softmax statistics, and on a
 convolution block (no attention core) it saves what autograd saves and recomputes the rest.
 
@@ -355,10 +356,10 @@ class RegionPolicy:
            projection feeding a residual sum, attention scores feeding a softmax) stays
            cached after all, most FLOPs per byte first, where a simulation of the
            recompute (the cache, each recomputed output until its last reader, the saved
-           tensors as they come back) finds its fullest moment no higher than with the
-           output recomputed and no higher than the bytes autograd saves for the block,
-           and the cache still leaves free the bytes by which that moment exceeds them;
-           every other "save" decision runs again.
+           tensors as they come back) finds its fullest moment no higher than the larger
+           of the bytes autograd saves for the block and that moment with no such output
+           cached, and the cache leaves free the bytes by which that moment (with none
+           cached) exceeds what autograd saves; every other "save" decision runs again.
 
         So the block holds no more than ``none`` does for it, in the forward and in its
         recompute: caching every such output within the forward's bytes alone (as this

@@ -56,7 +56,7 @@ from remat import _compat, run_shape
 from remat.build import build_from_config
 from remat.config import config_dir
 from remat.measure import format_bytes
-from remat.measure.kernels import KernelTemporaries, measure_temporaries, signatures_fn
+from remat.measure.kernels import KernelTemporaries, measured_temporaries, signatures_fn
 from remat.measure.trace import Estimate, in_children, trace_step
 from remat.strategies import NoCheckpoint
 
@@ -189,7 +189,7 @@ def kernel_temporaries(build: Any, batch_size: int, size: Any, precision: str,
     :mod:`remat.measure.kernels`); the calls are listed by a fake trace in a child."""
     calls = in_children([signatures_fn(lambda: build.with_strategy(NoCheckpoint()),
                                        batch_size, size, precision, device)])[0]
-    return KernelTemporaries(measure_temporaries(calls, device), device=device.type)
+    return measured_temporaries(calls, device)
 
 
 def format_estimate(est: Estimate) -> str:

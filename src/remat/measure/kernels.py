@@ -262,6 +262,12 @@ class KernelTemporaries:
         return bool(self.table)
 
 
+def measured_temporaries(calls: Iterable[Call], device: torch.device) -> KernelTemporaries:
+    """:func:`measure_temporaries` of ``calls`` on ``device``, as the lookup table a trace
+    adds to each operator call (the planner's and ``remat.estimate``'s)."""
+    return KernelTemporaries(measure_temporaries(calls, device), device=device.type)
+
+
 def signatures_fn(build: Callable[[], torch.nn.Module], batch_size: int, size: Any,
                   precision: str, device: torch.device | str = "cpu",
                   min_bytes: int = MIN_BYTES) -> Callable[[], list[Call]]:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from remat.measure import format_bytes
-from remat.measure.kernels import KernelTemporaries, measure_temporaries, signatures_fn
+from remat.measure.kernels import KernelTemporaries, measured_temporaries, signatures_fn
 from remat.measure.trace import built_fn, in_children, side_by_side, step_fn, trace_steps
 from remat.planner.devices import DeviceSpec, get_device
 from remat.planner.memory import PlanInputError, parse_memory
@@ -219,8 +219,7 @@ class Planner:
             profile, calls = in_children([profile_job, signatures_fn(
                 lambda: build(NoCheckpoint()), batch_size, size, precision)])
             here = _measuring_device(self.spec)
-            self.temporaries = KernelTemporaries(measure_temporaries(calls, here),
-                                                 device=here.type)
+            self.temporaries = measured_temporaries(calls, here)
             if here.type == "cuda":
                 torch.cuda.empty_cache()  # the stand-in tensors' blocks, before training
             none = in_children([step_fn(**self._job(NoCheckpoint()))])[0]

@@ -128,9 +128,12 @@ def module_group(path: str) -> str | None:
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
-            call = _decorator_call(node.value, "xdist_group")
-            if call is not None and (name := _string_arg(call, "name")):
-                return name
+            marks = (node.value.elts if isinstance(node.value, ast.List | ast.Tuple)
+                     else [node.value])
+            for mark in marks:
+                call = _decorator_call(mark, "xdist_group")
+                if call is not None and (name := _string_arg(call, "name")):
+                    return name
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             for deco in node.decorator_list:
                 call = _decorator_call(deco, "fixture")

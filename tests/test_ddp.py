@@ -32,8 +32,8 @@ DDP = [("sqrtn", 2, "ddp"), pytest.param("selective", 2, "ddp", marks=pytest.mar
        *(pytest.param(name, 1, "ddp", marks=pytest.mark.slow)
          for name in axes.names(axes.eager, baseline=True) if name not in ("sqrtn", "selective"))]
 # ddp_spawn pickles the wrapped module into each process (every strategy's pickling is
-# tested in-process: tests/strategies/test_mechanism.py)
-SPAWN = [("every_k", 2, "ddp_spawn"),
+# tested in-process: tests/strategies/test_mechanism.py); a spawn launch costs 20 s
+SPAWN = [pytest.param("every_k", 2, "ddp_spawn", marks=pytest.mark.slow),
          pytest.param("selective", 1, "ddp_spawn", marks=pytest.mark.slow),
          pytest.param("offload", 1, "ddp_spawn", marks=pytest.mark.slow)]
 

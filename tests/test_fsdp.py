@@ -27,10 +27,17 @@ COMPILED = axes.names(axes.compiled)
 # compiled code is checked in fp32 without accumulation only: each compiled case costs the
 # launch a compile on both ranks (about 5 s), and accumulation and bf16 are the eager
 # strategies' concern (the compiled graph is the same)
-CASES = [f"{s}:{a}:{p}" for s in STRATEGIES
-         for a, p in ((1, "32-true"), (2, "32-true"), (1, "bf16-mixed"))
-         if s not in COMPILED or (a, p) == (1, "32-true")]
-MEMORY = ["memory:none", "memory:sqrtn", "memory:selective"]
+ALL_CASES = [f"{s}:{a}:{p}" for s in STRATEGIES
+             for a, p in ((1, "32-true"), (2, "32-true"), (1, "bf16-mixed"))
+             if s not in COMPILED or (a, p) == (1, "32-true")]
+# `make test`: every strategy in fp32, and accumulation and bf16 under one segment strategy
+# and one selective (none's three are the references); the rest of the grid is
+# tests/test_fsdp_grid.py (slow)
+CASES = [c for c in ALL_CASES if c.endswith(":1:32-true")
+         or c.split(":")[0] in ("none", "sqrtn", "selective")]
+GRID_CASES = [c for c in ALL_CASES if c not in CASES or c == "none:1:bf16-mixed"]
+MEMORY = ["memory:sqrtn"]
+GRID_MEMORY = ["memory:none", "memory:selective"]
 NORMS = ["bn:none", "bn:full", "bn:sqrtn", "bn:selective", "bn:offload"]
 
 
@@ -39,14 +46,14 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path, OMP_NUM_THREADS="1")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``(results per case and rank, single-process references)``."""
-    out = tmp_path_factory.mktemp("fsdp")
+def launch(out: Path, cases: list[str]) -> tuple[dict, dict]:
+    """Train ``cases`` in one 2-process launch (results written under ``out``) while this
+    process trains the single-process references: ``(results per case and rank,
+    references)``."""
     log = open(out / "log.txt", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", str(SCRIPT), str(out), *MEMORY, *NORMS, *CASES], env=_env(), stdout=log,
+         "2", str(SCRIPT), str(out), *cases], env=_env(), stdout=log,
         stderr=subprocess.STDOUT)
     try:
         torch.manual_seed(0)
@@ -59,16 +66,23 @@ def runs(tmp_path_factory):
         log.close()
     assert proc.returncode == 0, launch_report((out / "log.txt").read_text())
     results = {c: [torch.load(out / c.replace(":", "_") / f"rank{r}.pt") for r in (0, 1)]
-               for c in CASES + MEMORY + NORMS}
+               for c in cases}
     return results, references
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``(results per case and rank, single-process references)``."""
+    return launch(tmp_path_factory.mktemp("fsdp"), [*MEMORY, *NORMS, *CASES])
 
 
 def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.flatten() for g in grads.values()])
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_fsdp_gradients_equal_single_process_full_batch(runs, case):
+def check_gradients(runs, case: str) -> None:
+    """Both ranks hold the same parameters and gradients, equal to the single process on
+    the full batch (fp32), or within bf16's rounding of it and equal to FSDP ``none``."""
     results, references = runs
     rank0, rank1 = results[case]
     strategy, accumulate, precision = case.split(":")
@@ -96,8 +110,7 @@ def test_fsdp_gradients_equal_single_process_full_batch(runs, case):
         assert torch.equal(ours, _flat(sharded_none["grads"][step])), f"step {step}"
 
 
-@pytest.mark.parametrize("case", MEMORY)
-def test_per_rank_estimate_equals_memtracker_on_each_rank_of_a_real_run(runs, case):
+def check_memory(runs, case: str) -> None:
     """remat.estimate's world_size trace (fake process group) against MemTracker on each of
     the 2 real gloo ranks: the goal is 5 %; the trace counts the same tensors."""
     from remat.measure.trace import trace_step
@@ -140,3 +153,13 @@ def test_fsdp_batchnorm_statistics_and_gradients_equal_none(runs, case):
                            base[1]["buffers"]["net.blocks.0.1.running_mean"])
     for key, value in base[0]["params"].items():
         assert torch.equal(value, base[1]["params"][key]), key
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fsdp_gradients_equal_single_process_full_batch(runs, case):
+    check_gradients(runs, case)
+
+
+@pytest.mark.parametrize("case", MEMORY)
+def test_per_rank_estimate_equals_memtracker_on_each_rank_of_a_real_run(runs, case):
+    check_memory(runs, case)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REQUIRE_DATA_ENV, _real_copy, missing_data
+from tests.conftest import REQUIRE_DATA_ENV, _real_copy, missing_data, module_group
 
 
 def test_missing_data_skips_with_the_reason(monkeypatch):
@@ -30,3 +30,15 @@ def test_a_copy_without_its_folders_names_what_is_missing(monkeypatch, tmp_path:
         _real_copy(tmp_path, "Kvasir-SEG", "images", "masks")
     (tmp_path / "Kvasir-SEG" / "masks").mkdir()
     assert _real_copy(tmp_path, "Kvasir-SEG", "images", "masks") == tmp_path / "Kvasir-SEG"
+
+
+@pytest.mark.parametrize("marks,group", [
+    ('pytest.mark.xdist_group("gloo")', "gloo"),
+    ('[pytest.mark.slow, pytest.mark.xdist_group("gloo")]', "gloo"),
+    ("pytest.mark.slow", None),
+])
+def test_a_module_joins_the_group_its_pytestmark_names(tmp_path: Path, marks, group):
+    # a multi-process launch module outside the "gloo" group would run beside another one
+    path = tmp_path / f"test_{abs(hash(marks))}.py"
+    path.write_text(f"import pytest\n\npytestmark = {marks}\n\n\ndef test_x():\n    pass\n")
+    assert module_group(str(path)) == group

@@ -49,3 +49,32 @@ class ReturnsTuple(TinyUNet):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = super().forward(x)
         return out, out
+
+
+class ElementwiseBlock(nn.Module):
+    """Four ``sin`` steps: every step saves its input, none is a matmul or convolution, so
+    recomputing the block costs no counted FLOPs. Shapes: ``(B, C, H, W) -> same``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = torch.sin(x) * 1.5
+        return x
+
+
+class PinnedPeakNet(nn.Module):
+    """A stem convolution, a chain of :class:`ElementwiseBlock` (many saved bytes, no
+    FLOPs) and a wide full-resolution head whose backward sets the peak of every plan that
+    recomputes the chain, kept or recomputed itself (as SwinUNETR's last decoder block
+    does). Shapes: ``(B, in_channels, H, W) -> (B, out_channels, H, W)``."""
+
+    def __init__(self, in_channels: int = 3, out_channels: int = 1, width: int = 8,
+                 depth: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, width, 3, padding=1)
+        self.blocks = nn.Sequential(*[ElementwiseBlock() for _ in range(depth)])
+        self.head = nn.Sequential(nn.Conv2d(width, 8 * width, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(8 * width, 8 * width, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(8 * width, out_channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))

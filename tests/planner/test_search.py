@@ -11,9 +11,11 @@ from remat.planner.search import (
     UnitOptions,
     best_plan,
     chain_frontier,
+    cheaper_within,
     evaluate_chain,
     merge_units,
     modelled_peak,
+    ordered_peak,
 )
 
 
@@ -206,3 +208,30 @@ def test_least_kept_is_the_fewest_bytes_any_plan_keeps_within_the_cap(seed):
         assert got.time == pytest.approx(min(o.time for o in allowed if o.kept == fewest))
         assert evaluate_chain(blocks, got.segments, free).kept == got.kept
         assert chain_frontier(blocks, cap, free)[0].kept == fewest
+
+
+def test_ordered_peak_frees_later_units_before_an_earlier_recompute():
+    early = Option(kept=10, transient=100, time=1.0, flops=1)  # recomputed, runs first
+    late = Option(kept=50, transient=0, time=0.0, flops=0)  # kept, runs last
+    # the backward recomputes `early` after `late` freed its 50 bytes
+    assert ordered_peak(1000, [early, late]) == max(1000 + 60, 1000 + 10 + 100) == 1110
+    assert modelled_peak(1000, 60, 100) == 1160  # every recompute beside all that is kept
+    # in the other order the recompute meets both
+    assert ordered_peak(1000, [late, early], release=5) == 1000 - 5 + 60 + 100
+
+
+def test_cheaper_within_takes_the_largest_saving_that_stays_within_the_limit():
+    recompute = Option(kept=10, transient=40, time=3.0, flops=3)
+    keep = Option(kept=40, transient=0, time=0.0, flops=0)
+    half = Option(kept=25, transient=20, time=1.0, flops=1)
+    current = {"a": recompute, "b": recompute}
+    options = {"a": [recompute, half, keep], "b": [recompute, half, keep]}
+    start = ordered_peak(0, [recompute, recompute])  # 10 + 10 + 40
+    assert start == 60
+    # "b" runs last: keeping it costs 30 bytes beside a's kept 10 at the forward's end,
+    # below a's recompute with both kept
+    got = cheaper_within(current, options, ["a", "b"], 0, start)
+    assert got == {"a": recompute, "b": keep}
+    assert ordered_peak(0, [got["a"], got["b"]]) <= start
+    # below the forward's end of every cheaper choice (50 bytes) nothing changes
+    assert cheaper_within(current, options, ["a", "b"], 0, 49) == current

@@ -43,9 +43,11 @@ from remat.planner.search import (
     best_plan,
     cap_values,
     chain_frontier,
+    cheaper_within,
     evaluate_chain,
     least_kept,
     modelled_peak,
+    ordered_peak,
     replayable_segments,
     to_block,
 )
@@ -72,6 +74,10 @@ MEASURED_MARGIN = 0.005
 #: floor candidate seen so far is 16% over the trace (U-Net-R34 at 2048 px, batch 8, bf16,
 #: 4-block segments: modelled 15.1 GiB, traced 13.0 GiB).
 FLOOR_SKIP_RATIO = 2.0
+
+#: Traces :meth:`Planner.plan` spends at most on lowering its plan's recompute by the
+#: units' forward order (:meth:`Planner.refine`).
+REFINE_TRACES = 2
 
 
 def keep_segments(n: int) -> list[tuple[int, int, str]]:
@@ -530,8 +536,73 @@ class Planner:
             if ref_traced.allocator_peak <= allowed and self._rank(
                     (ref, ref_traced)) < self._rank((plan, traced)):
                 plan, traced = ref, ref_traced
+        plan, traced = self.refine(plan, traced, allowed, scale, traces)
         return Planned(self._finish(plan, traced, budget, margin), floor.allocator_peak, traces,
                        time.perf_counter() - start)
+
+    def unit_order(self) -> list[str]:
+        """The candidate units in the order the forward runs them (the profile's)."""
+        order = [p for p in self.profile.order if p in self.blocks]
+        return [*order, *(p for p in self.blocks if p not in order)]
+
+    def _unit_options(self) -> dict[str, list[Option]]:
+        """Per unit, every distinct option of its frontiers (all caps) and ``keep``."""
+        if getattr(self, "_options", None) is None:
+            self._options = {}
+            for path, by_cap in self.frontiers.items():
+                seen = {repr(o.segments): o for front in by_cap.values() for o in front}
+                keep = self._option(path, keep_segments(len(self.blocks[path])))
+                seen.setdefault(repr(keep.segments), keep)
+                self._options[path] = list(seen.values())
+        return self._options
+
+    def refine(self, plan: Plan, traced: Traced, allowed: int, scale: float = 1.0,
+               traces: list[tuple[int, int, float]] | None = None) -> tuple[Plan, Traced]:
+        """Lower ``plan``'s recompute where the units' forward order says the peak allows it,
+        and keep the result only if its trace fits ``allowed`` (allocator bytes) and it
+        ranks cheaper.
+
+        The search's model (:func:`~remat.planner.search.modelled_peak`) charges every
+        recompute with all that is kept, so near the floor it misses cheap plans whose peak
+        is set elsewhere: MONAI SwinUNETR 3D (64^3, batch 1), whose peak is the backward of
+        its last full-resolution decoder block whatever the Swin stages do, planned at
+        MONAI's own peak with 1.33x ``none``'s FLOPs where recomputing only the Swin stages
+        fits at 1.03x. Here each unit in turn takes the cheaper option that keeps
+        :func:`~remat.planner.search.ordered_peak` within the plan's own plus the room left
+        to the budget (``scale``: modelled bytes per allocator byte), then without that
+        room if the first result does not fit; at most :data:`REFINE_TRACES` traces, each
+        appended to ``traces`` as ``(ordered modelled peak, traced peak, modelled time)``."""
+        order = self.unit_order()
+        options = self._unit_options()
+        tries = 0
+        room = max(0, allowed - traced.allocator_peak)
+        while tries < REFINE_TRACES:
+            current = {u.path: evaluate_chain(self.blocks[u.path], u.segments, self.free)
+                       for u in plan.units}
+            limit = ordered_peak(self.base, [current[p] for p in order], self.release)
+            choice = cheaper_within(current, options, order, self.base,
+                                    limit + int(room * scale), self.release)
+            candidate = self._plan_of(choice)
+            if repr(candidate.units) == repr(plan.units):
+                if room == 0:
+                    break
+                room = 0
+                continue
+            tries += 1
+            found = self.trace(PlanStrategy(candidate))
+            if traces is not None:
+                traces.append((ordered_peak(self.base, [choice[p] for p in order],
+                                            self.release), found.allocator_peak,
+                               self.modelled_time(candidate)))
+            if found.allocator_peak <= allowed and self._rank(
+                    (candidate, found)) < self._rank((plan, traced)):
+                plan, traced = candidate, found
+                room = max(0, allowed - traced.allocator_peak)
+            elif room > 0:
+                room = 0
+            else:
+                break
+        return plan, traced
 
     def _trace_first(self, plan: Plan) -> Traced:
         """Trace the search's first plan, and beside it, on the CPUs a lone trace leaves

@@ -106,6 +106,8 @@ class Profile:
             (bytes): the size of the temporaries CPU ``convolution_backward`` allocates
             beyond what a tensor-level trace sees (U-Net-R34, 512 px, batch 2: a 32 MiB
             tensor, 36 MiB seen by ``torch.profiler``).
+        order: the unit paths in the order the forward first runs one of their blocks
+            (units that did not run last): the backward meets them in reverse.
     """
 
     units: list[Unit]
@@ -117,6 +119,7 @@ class Profile:
     model: str = ""
     kind: str = "image"
     largest_conv_bytes: int = 0
+    order: list[str] = field(default_factory=list)
 
 
 def find_candidates(net: nn.Module, paths: Sequence[str] | None = None) -> list[Unit]:
@@ -336,6 +339,8 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
                 recorder.blocks[path] = BlockCost(path)
                 owners.setdefault(id(named[path]), []).append((unit.path, path))
         running: list[str] = []  # the chain units running now, innermost last
+        unit_of = {path: unit.path for unit in units for path in unit.blocks}
+        first_run: dict[str, None] = {}  # unit paths in the order the forward reaches them
 
         def enter(mod, args, kwargs, unit):
             running.append(unit)
@@ -368,6 +373,7 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
                 path = block_of(owned)
                 if path is not None and torch.is_grad_enabled():
                     recorder.blocks[path].inputs.update(_tensor_bytes((args, kwargs)))
+                    first_run.setdefault(unit_of[path], None)
                 recorder.stack.append(path)
 
             def post(mod, args, kwargs, output):
@@ -407,7 +413,8 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
                        step_time=recorder.step_time, saved_elsewhere=elsewhere,
                        fingerprint=fingerprint(net), model=type(net).__name__,
                        kind="image" if "image" in batch else "sequence",
-                       largest_conv_bytes=recorder.largest_conv)
+                       largest_conv_bytes=recorder.largest_conv,
+                       order=[*first_run, *(u.path for u in units if u.path not in first_run)])
     return fn
 
 

@@ -345,6 +345,46 @@ def modelled_peak(base: int, kept: int, transient: int, release: int = 0) -> int
     return max(base + kept, base - release + kept + transient)
 
 
+def ordered_peak(base: int, options: Sequence[Option], release: int = 0) -> int:
+    """The modelled peak with the units in forward order (``options[0]`` runs first): the
+    end of the forward, ``base + sum(kept)``, or unit ``i``'s recompute in the backward,
+    ``base - release + sum(kept[:i + 1]) + transient[i]``: the backward reaches unit ``i``
+    after every later unit has freed what it kept (Chen et al. 2016, arXiv 1604.06174,
+    sec. 4.1: a segment's recompute meets the checkpoints before it only).
+    :func:`modelled_peak` charges every unit's recompute with everything kept, so it
+    prices a late unit's ``keep`` above an early unit's ``recompute`` although the
+    backward never holds both."""
+    peak = base + sum(o.kept for o in options)
+    prefix = 0
+    for option in options:
+        prefix += option.kept
+        peak = max(peak, base - release + prefix + option.transient)
+    return peak
+
+
+def cheaper_within(current: dict[str, Option], candidates: dict[str, list[Option]],
+                   order: Sequence[str], base: int, limit: int, release: int = 0
+                   ) -> dict[str, Option]:
+    """Lower the recompute of ``current`` (unit path -> option) one unit at a time, each
+    time the change that saves the most ``time`` (the objective) of those keeping
+    :func:`ordered_peak` (units in ``order``) within ``limit`` bytes, until none does; a
+    greedy descent, not an optimum. Returns the new choice (``current`` if none)."""
+    choice = dict(current)
+    while True:
+        best: tuple[float, str, Option] | None = None
+        for path, options in candidates.items():
+            for option in options:
+                gain = choice[path].time - option.time
+                if gain <= 1e-15 or (best is not None and gain <= best[0]):
+                    continue
+                trial = {**choice, path: option}
+                if ordered_peak(base, [trial[q] for q in order], release) <= limit:
+                    best = (gain, path, option)
+        if best is None:
+            return choice
+        choice[best[1]] = best[2]
+
+
 def best_plan(frontiers: dict[str, dict[int | None, list[Option]]], base: int, target: int,
               granularity: int = 1, release: int = 0
               ) -> tuple[float, int, dict[str, Option]] | None:

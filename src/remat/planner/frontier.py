@@ -75,7 +75,9 @@ def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> lis
 def frontier(planner: Planner, count: int) -> list[Point]:
     """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none's, or
     to the device's memory where none needs more (gpt_medium at 8192 tokens on an H100:
-    154 GiB); one note instead where the floor needs more than the device has."""
+    154 GiB); one note instead where the floor needs more than the device has. The points
+    are the search's plans without :meth:`Planner.refine` (its traces, per point, would
+    double the frontier's cost): the plan made for a budget may sit below them."""
     _, floor = planner.floor()
     low = planner.budget_for(floor.allocator_peak)
     high = planner.budget_for(planner.none.allocator_peak)
@@ -90,7 +92,7 @@ def frontier(planner: Planner, count: int) -> list[Point]:
     for i in range(count):
         budget = low + (high - low) * i // max(1, count - 1)
         try:
-            plan = planner.plan(budget).plan
+            plan = planner.plan(budget, refine=False).plan
         except InfeasibleBudget as err:
             points.append(Point("plan", "plan", budget, None, None, None, None,
                                 str(err).splitlines()[0]))

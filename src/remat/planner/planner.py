@@ -456,9 +456,11 @@ class Planner:
         return out
 
     # -- search ------------------------------------------------------------------------
-    def plan(self, memory: Any) -> Planned:
+    def plan(self, memory: Any, refine: bool = True) -> Planned:
         """The plan with the least modelled recompute time whose traced peak plus margin fits
-        ``memory`` (see :func:`remat.planner.memory.parse_memory`).
+        ``memory`` (see :func:`remat.planner.memory.parse_memory`); ``refine``: lower its
+        recompute by the units' forward order afterwards (:meth:`refine`, up to
+        :data:`REFINE_TRACES` more traces; the frontier's points go without).
 
         Raises:
             ValueError: a bad ``memory`` (names ``strategy.memory``).
@@ -536,7 +538,8 @@ class Planner:
             if ref_traced.allocator_peak <= allowed and self._rank(
                     (ref, ref_traced)) < self._rank((plan, traced)):
                 plan, traced = ref, ref_traced
-        plan, traced = self.refine(plan, traced, allowed, scale, traces)
+        if refine:
+            plan, traced = self.refine(plan, traced, allowed, scale, traces)
         return Planned(self._finish(plan, traced, budget, margin), floor.allocator_peak, traces,
                        time.perf_counter() - start)
 

@@ -64,10 +64,11 @@ PAGES: dict[str, tuple[str, str, list[str]]] = {
     ),
     "volumes": (
         "3D volumes",
-        "MONAI's 3D networks on 64^3 synthetic volumes on a CPU: the estimate against the "
-        "allocator, budget plans run for real, and SwinUNETR's plans against MONAI's own "
-        "checkpointing.",
-        ["estimate_vs_allocator_3d", "plan_budget_3d", "bench_swinunetr3d_64"],
+        "MONAI's 3D networks on 64^3 and 96^3 synthetic volumes on a CPU: the estimate "
+        "against the allocator, budget plans run for real, and SwinUNETR's plans against "
+        "MONAI's own checkpointing.",
+        ["estimate_vs_allocator_3d", "plan_budget_3d", "plan_budget_3d_96", "plan_monai_3d_96",
+         "bench_swinunetr3d_64"],
     ),
     "scale-out": (
         "Per-rank memory under FSDP2",

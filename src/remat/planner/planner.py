@@ -569,12 +569,13 @@ class Planner:
         recompute with all that is kept, so near the floor it misses cheap plans whose peak
         is set elsewhere: MONAI SwinUNETR 3D (64^3, batch 1), whose peak is the backward of
         its last full-resolution decoder block whatever the Swin stages do, planned at
-        MONAI's own peak with 1.33x ``none``'s FLOPs where recomputing only the Swin stages
-        fits at 1.03x. Here each unit in turn takes the cheaper option that keeps
-        :func:`~remat.planner.search.ordered_peak` within the plan's own plus the room left
-        to the budget (``scale``: modelled bytes per allocator byte), then without that
-        room if the first result does not fit; at most :data:`REFINE_TRACES` traces, each
-        appended to ``traces`` as ``(ordered modelled peak, traced peak, modelled time)``."""
+        MONAI's own peak with 1.33x ``none``'s FLOPs where a plan of 1.02x fits (Swin
+        stages recomputed, convolution blocks selective). Here each unit in turn takes the
+        cheaper option that keeps :func:`~remat.planner.search.ordered_peak` within the
+        plan's own plus the room left to the budget (``scale``: modelled bytes per
+        allocator byte), then without that room if the first result does not fit; at most
+        :data:`REFINE_TRACES` traces, each appended to ``traces`` as ``(ordered modelled
+        peak, traced peak, modelled time)``."""
         order = self.unit_order()
         options = self._unit_options()
         tries = 0

@@ -581,8 +581,7 @@ class Planner:
         tries = 0
         room = max(0, allowed - traced.allocator_peak)
         while tries < REFINE_TRACES:
-            current = {u.path: evaluate_chain(self.blocks[u.path], u.segments, self.free)
-                       for u in plan.units}
+            current = self._choice_of(plan)
             limit = ordered_peak(self.base, [current[p] for p in order], self.release)
             choice = cheaper_within(current, options, order, self.base,
                                     limit + int(room * scale), self.release)
@@ -645,8 +644,12 @@ class Planner:
 
     def modelled_cost(self, plan: Plan) -> float:
         """The search's objective for ``plan``: modelled recompute time (s) or FLOPs."""
-        return sum(evaluate_chain(self.blocks[u.path], u.segments,
-                                  self.free).time for u in plan.units)
+        return sum(o.time for o in self._choice_of(plan).values())
+
+    def _choice_of(self, plan: Plan) -> dict[str, Option]:
+        """Unit path -> the search's :class:`Option` for ``plan``'s segments of it."""
+        return {u.path: evaluate_chain(self.blocks[u.path], u.segments, self.free)
+                for u in plan.units}
 
     def _rank(self, item: tuple[Plan, Traced]) -> tuple[float, float]:
         plan, traced = item
@@ -657,8 +660,7 @@ class Planner:
 
     def modelled(self, plan: Plan) -> int:
         """The additive model's peak of ``plan`` (bytes)."""
-        options = [evaluate_chain(self.blocks[u.path], u.segments,
-                                  self.free) for u in plan.units]
+        options = list(self._choice_of(plan).values())
         return modelled_peak(self.base, sum(o.kept for o in options),
                              max((o.transient for o in options), default=0), self.release)
 

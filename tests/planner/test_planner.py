@@ -62,6 +62,24 @@ def test_plans_fit_their_budgets_as_traced_and_as_measured(gpt):
     assert flops[0] > flops[1]  # a larger budget recomputes less
 
 
+def test_a_larger_budget_never_gets_a_plan_that_ranks_costlier(gpt, monkeypatch):
+    planner, _ = gpt
+    floor_plan, floor = planner.floor()
+    none = planner.none.allocator_peak
+    small = planner.budget_for(int(floor.allocator_peak + 0.6 * (none - floor.allocator_peak)))
+    first = planner.plan(small, refine=False).plan
+    assert planner.modelled_cost(first) < planner.modelled_cost(floor_plan)
+    # a search that, for a budget one byte larger, meets only the floor's plan (as a search
+    # whose targets depend on the budget may): the plan traced for the smaller one still fits
+    monkeypatch.setattr(planner_module, "best_plan",
+                        lambda *a, **k: (0.0, 0, planner._choice_of(floor_plan)))
+    larger = planner.plan(small + 1, refine=False).plan
+    assert planner.modelled_cost(larger) <= planner.modelled_cost(first)
+    assert larger.predicted_allocator_peak_bytes <= small + 1 - larger.margin_bytes
+    # each answer is its own copy: the second budget did not overwrite the first's
+    assert (first.budget_bytes, larger.budget_bytes) == (small, small + 1)
+
+
 def test_plan_beats_or_equals_fixed_strategies_that_fit(gpt):
     planner, _ = gpt
     for _, ref in planner.references(["blocks"]):
@@ -193,11 +211,19 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
     assert "largest unit" in text and "bf16-mixed" in text
     assert "data.batch_size=" in text and "data.block_size=" in text
     # the least budget that holds the floor with its margin, which then plans
-    least = math.ceil(planner.budget_for(floor.allocator_peak) / 2**20)
-    assert f"the least budget that holds it with its margin is strategy.memory={least}MiB" \
-        in text
+    found = re.search(r"the least budget that holds it with its margin \(([\d.]+) (\w+)\) is "
+                      r"strategy\.memory=([\d.]+)MiB\.", text)
+    assert found, text
+    least = float(found.group(3))
+    # rounded up to 0.1 MiB: it holds the floor, 0.1 MiB less does not
+    exact = planner.budget_for(floor.allocator_peak) / 2**20
+    assert exact <= least < exact + 0.1
+    assert found.group(1, 2) == tuple(format_bytes(planner.margin_for(int(least * 2**20)))
+                                      .split())
     plan = planner.plan(f"{least}MiB").plan
     assert plan.predicted_allocator_peak_bytes + plan.margin_bytes <= least * 2**20
+    with pytest.raises(InfeasibleBudget):
+        planner.plan(f"{least - 0.1:.1f}MiB")
     # the size is named by the key the run read it from (data.patch_size under data=folder;
     # the planner said data.image_size, a key folder data does not have)
     planner.size_key = "model.block_size"

@@ -80,6 +80,27 @@ def test_a_larger_budget_never_gets_a_plan_that_ranks_costlier(gpt, monkeypatch)
     assert (first.budget_bytes, larger.budget_bytes) == (small, small + 1)
 
 
+def test_a_plan_traced_below_the_floor_answers_budgets_the_floor_misses(gpt, monkeypatch):
+    planner, _ = gpt
+    true_plan, true_floor = planner.floor()
+    # a floor whose candidates missed the least plan (as they miss a refined plan that peaks
+    # lower: SwinUNETR 3D at 96^3), while that plan was traced before
+    higher = next((p, t) for p, t in planner.traced_fitting(planner.none.allocator_peak - 1)
+                  if t.allocator_peak > true_floor.allocator_peak)
+    monkeypatch.setattr(planner, "_floor", higher)
+    budget = planner.budget_for(true_floor.allocator_peak)
+    assert budget - planner.margin_for(budget) < higher[1].allocator_peak
+    planned = planner.plan(budget)
+    assert planned.plan.predicted_allocator_peak_bytes <= budget - planned.plan.margin_bytes
+    assert planned.floor_bytes == true_floor.allocator_peak
+    # below it, the message names the least peak traced, not the floor's candidates'
+    with pytest.raises(InfeasibleBudget) as err:
+        planner.plan(budget - 2**20)
+    assert f"reaches is {format_bytes(true_floor.allocator_peak)} " in str(err.value)
+    assert planner.lowest()[1] == true_floor and repr(planner.lowest()[0].units) == repr(
+        true_plan.units)
+
+
 def test_plan_beats_or_equals_fixed_strategies_that_fit(gpt):
     planner, _ = gpt
     for _, ref in planner.references(["blocks"]):

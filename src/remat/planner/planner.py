@@ -434,6 +434,15 @@ class Planner:
                 self._floor = (self._keep_all(), self.none)
         return self._floor
 
+    def lowest(self) -> tuple[Plan, Traced]:
+        """The plan of least traced allocator peak this planner knows: the :meth:`floor`'s,
+        or one traced since that peaks lower (a refined plan; ties: the floor's)."""
+        best = self.floor()
+        for plan, traced in self.traced_fitting(best[1].allocator_peak - 1):
+            if traced.allocator_peak < best[1].allocator_peak:
+                best = (plan, traced)
+        return best
+
     def _keep_all(self) -> Plan:
         """The plan that checkpoints nothing (``none``'s step)."""
         return self._plan_of({u.path: self._option(u.path, keep_segments(len(u.blocks)))
@@ -491,8 +500,23 @@ class Planner:
             return Planned(self._finish(plan, self.none, budget, margin),
                            self.none.allocator_peak, [], time.perf_counter() - start)
         floor_plan, floor = self.floor()
+        traces: list[tuple[int, int, float]] = []
         if floor.allocator_peak > allowed:
-            raise InfeasibleBudget(self.infeasible_message(budget, margin, floor_plan, floor))
+            # below the floor's candidates, a plan traced before may fit (a refined plan:
+            # SwinUNETR 3D at 96^3, refined at the floor's budget, peaked at 2994.4 MiB
+            # where the floor's candidates reach 3021.7), else the floor refined once
+            below = self.traced_fitting(allowed)
+            if not below:
+                self.refine(floor_plan, floor, allowed, traces=traces)
+                below = self.traced_fitting(allowed)
+            if not below:
+                lowest_plan, lowest = self.lowest()
+                raise InfeasibleBudget(self.infeasible_message(budget, margin, lowest_plan,
+                                                               lowest))
+            plan, traced = min(below, key=self._rank)
+            return Planned(self._finish(plan, traced, budget, margin),
+                           self.lowest()[1].allocator_peak, traces,
+                           time.perf_counter() - start)
         # the additive model (tensor bytes; none's is its trace) is calibrated on two traced
         # points, none and the floor plan: modelled bytes per traced allocator byte
         modelled_floor = self.modelled(floor_plan)
@@ -501,7 +525,6 @@ class Planner:
                  if none_peak > floor.allocator_peak else 1.0)
         target = max(modelled_floor, int(self.none.peak_bytes
                                          - (none_peak - allowed) * scale))
-        traces: list[tuple[int, int, float]] = []
         pool: list[tuple[Plan, Traced]] = [(floor_plan, floor)]
         # bracket on the modelled target: (target, traced peak) of the best fitting and the
         # least overshooting plan; the floor plan fits

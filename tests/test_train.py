@@ -2,12 +2,15 @@
 
 import csv
 import json
+import logging
+import re
 
 import pytest
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
+from remat.measure import format_bytes
 from remat.models.checks import require_keys
 from remat.strategies import StageError
 from remat.train import train
@@ -271,11 +274,22 @@ def test_resuming_with_more_epochs_warns_that_the_schedule_has_ended(tmp_path):
                                              f"ckpt_path={first['last_model_path']}"]))
 
 
-def test_summary_holds_estimate_throughput_and_epoch_peaks(tmp_path):
-    summary = train(compose_train(tmp_path, [*TINY, "strategy=sqrtn", "trainer.max_epochs=2",
-                                             "callbacks.run_report.estimate=true",
-                                             "trainer.log_every_n_steps=1"]))
+def test_summary_holds_estimate_throughput_and_epoch_peaks(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="remat"):
+        summary = train(compose_train(tmp_path, [*TINY, "strategy=sqrtn",
+                                                 "trainer.max_epochs=2",
+                                                 "callbacks.run_report.estimate=true",
+                                                 "trainer.log_every_n_steps=1"]))
     est, measured = summary["memory_estimate"], summary["peak_memory_bytes"]
+    # the start-of-run line: tensor bytes, the parts alive at the peak, none under 1 MiB
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("estimated peak of one training step"))
+    assert f": {format_bytes(est['peak_bytes'])} of tensors (alive at that moment: " in line
+    listed = line.split("moment: ", 1)[1].split(";")[0]
+    parts = re.findall(r"(\w+) ([\d.]+) (B|KiB|MiB|GiB)", listed)
+    assert parts and all(unit in ("MiB", "GiB") for _, _, unit in parts)
+    assert {name for name, _, _ in parts} == {
+        k for k, v in est["categories"].items() if k != "total" and v >= 2**20}
     assert est["strategy"] == "sqrtn" and (est["batch_size"], est["size"]) == (4, 64)
     # the prediction at start against the tracked Lightning batches (same step, same sizes)
     assert abs(est["peak_bytes"] - measured) <= 0.10 * measured

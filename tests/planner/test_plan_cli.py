@@ -18,7 +18,7 @@ from omegaconf import read_write
 
 from remat.plan import run as plan_run
 from remat.planner import InfeasibleBudget, Plan, PlanMismatch, PlanStrategy, devices
-from remat.planner.frontier import MARKERS, Point, frontier_figure
+from remat.planner.frontier import MARKERS, Point, format_points, frontier_figure
 from remat.planner.run import check_plan_fits, plan_for_run
 from remat.train import _hydra_main as train_main
 from tests.helpers import TINY, compose_app, compose_train
@@ -300,3 +300,12 @@ def test_remat_plan_does_not_overwrite_a_plan_a_run_may_train_with(tmp_path):
     with pytest.raises(PlanInputError, match="plan.json exists: a run may train with it"):
         plan_run(compose_app("plan", tmp_path, ["strategy.memory=1GiB"]))
     assert (tmp_path / "plan.json").read_text() == '{"units": []}'
+
+
+def test_the_printed_frontier_says_its_peaks_are_the_allocators():
+    # remat.plan's table shows allocator peaks, train's estimate line tensor peaks: the
+    # table says which, so the two numbers of one plan are not read as a contradiction
+    text = format_points([Point("plan", "plan", 300 * 2**20, 250 * 2**20, 10, 1.1, 1.2)])
+    header, row = text.splitlines()
+    assert "(peak: allocator, with the batch and kernel temporaries)" in header
+    assert row.split()[1:] == ["300.0", "MiB", "250.0", "MiB", "1.100", "1.200"]

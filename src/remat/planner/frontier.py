@@ -105,8 +105,11 @@ def frontier(planner: Planner, count: int) -> list[Point]:
 
 
 def format_points(points: list[Point]) -> str:
-    """Plain-text table of frontier points (MiB/GiB)."""
-    lines = [f"{'':<36}{'budget':>12}{'peak':>12}{'FLOPs x none':>14}{'time x none':>13}"]
+    """Plain-text table of frontier points (MiB/GiB); ``peak`` is the predicted allocator
+    peak (tensors, the batch and kernel temporaries: what a budget holds), which is above
+    the tensor peak training's memory monitor and start-of-run estimate report."""
+    lines = [f"{'':<36}{'budget':>12}{'peak':>12}{'FLOPs x none':>14}{'time x none':>13}"
+             "   (peak: allocator, with the batch and kernel temporaries)"]
     for p in points:
         def fmt(v: int | None) -> str:
             return format_bytes(v) if v is not None else "-"

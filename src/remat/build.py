@@ -107,13 +107,16 @@ def build_from_config(cfg: DictConfig) -> tuple[ModelBuilder, str, int, int | tu
     (and other ``model.stages``); see :class:`ModelBuilder`.
 
     Raises:
-        ValueError: no size key, bad sizes (naming the key), a precision that cannot be
-            traced, or a group whose ``_target_`` cannot be imported (naming the group).
+        ValueError: no size key, bad sizes (naming the key), a 3D network on 2D images or a
+            2D one on volumes (:func:`remat.run_shape.check_spatial_dims`), a precision
+            that cannot be traced, or a group whose ``_target_`` cannot be imported (naming
+            the group).
     """
     size_key = run_shape.size_key_of(cfg.data, cfg.model)
     if size_key is None:
         raise ValueError("no input size: set data.image_size or data.patch_size "
                          "(image models, px) or data.block_size (sequence models, tokens)")
+    run_shape.check_spatial_dims(cfg.model, cfg.data)
     size = OmegaConf.select(cfg, size_key)
     channels = int(cfg.model.get("in_channels", 1) or 1)
     batch_size, size = check_sizes(cfg.data.get("batch_size"), size, size_key, channels)

@@ -6,6 +6,7 @@ was expected, a 1-step run of the 3D U-Net and prediction in the input's own for
 from __future__ import annotations
 
 import csv
+import re
 
 import numpy as np
 import pytest
@@ -111,6 +112,20 @@ def test_layout_and_setting_errors_name_what_was_expected(tmp_path):
         _dm(root, num_classes=3, class_names=["background", "liver"])
     with pytest.raises(ValueError, match="data.root is not set"):
         _dm(None).setup("fit")
+
+
+def test_a_missing_or_empty_root_names_data_root_and_the_layout(tmp_path):
+    """A wrong data.root said 'no images found in the volume folder <path>', not which key."""
+    absent = tmp_path / "absent"
+    with pytest.raises(FileNotFoundError, match=rf"^data.root={re.escape(str(absent))} "
+                                                r"\(volume folder\) does not exist; expected "
+                                                r"images/\* and labels/\* below it \(images/"
+                                                r"<name>.nii.gz"):
+        _dm(absent).setup("fit")
+    with pytest.raises(FileNotFoundError, match=rf"^no images found in the volume folder "
+                                                rf"data.root={re.escape(str(tmp_path))}; "
+                                                r"expected images/\* and labels/\*"):
+        _dm(tmp_path).setup("fit")
 
 
 def _refused(root, match, **kwargs) -> str:

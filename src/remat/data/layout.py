@@ -102,8 +102,8 @@ def find_dataset_root(root: str | Path | None, *, title: str, folder: str, layou
 
     Raises:
         ValueError: ``root`` is None or blank; says how to set it.
-        FileNotFoundError: no candidate holds the layout; names ``root``, the layout, the
-            missing sub-folders and where to get the data.
+        FileNotFoundError: no candidate holds the layout; names ``data.root=<root>``, whether
+            it is missing or what it lacks, the layout and where to get the data.
     """
     if root is None or not str(root).strip():
         raise ValueError(
@@ -121,10 +121,13 @@ def find_dataset_root(root: str | Path | None, *, title: str, folder: str, layou
     else:
         lacking = [f"{d}/" for d in required if not (given / d).is_dir()]
         state = "lacks " + ", ".join(lacking) if lacking else "does not hold that layout"
-    below = f", or in {' or '.join(f'{s}/' for s in subfolders)} below either" if subfolders else ""
+    places = f"{given}" + (f" or {given / folder}/" if folder else "")
+    below = (f", or in {' or '.join(f'{s}/' for s in subfolders)} below "
+             f"{'either' if folder else 'it'}" if subfolders else "")
+    source = f". Get it from {url}" if "://" in url else ""  # not for a user's own folder
     raise FileNotFoundError(
-        f"{title} root {given} {state}. Expected layout: {layout} (in {given} or "
-        f"{given}/{folder}/{below}). Get it from {url}"
+        f"data.root={given} ({title}) {state}. Expected layout: {layout} (in {places}{below})"
+        f"{source}"
     )
 
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from remat import run_shape
+from remat.errors import unimportable_target
 
 #: The largest element count a tensor may have (torch indexes elements with int64).
 INT64_MAX = 2**63 - 1
@@ -80,6 +81,9 @@ class ModelBuilder:
         try:
             strategy = instantiate(self.strategy)
         except InstantiationException as err:
+            unimportable = unimportable_target(err)
+            if unimportable is not None:
+                raise unimportable from err
             raise ValueError(f"config group 'strategy' failed to build "
                              f"({self.strategy.get('_target_')}): {err}") from err
         return self.with_strategy(strategy)
@@ -89,6 +93,8 @@ class ModelBuilder:
         config's ``model.stages``).
 
         Raises:
+            ImportError: a ``_target_`` in it cannot be imported (naming its key and the fix,
+                :func:`remat.errors.unimportable_target`).
             ValueError: the ``model`` group fails to build (naming its ``_target_``).
         """
         try:
@@ -96,6 +102,9 @@ class ModelBuilder:
                 return instantiate(self.model, strategy=strategy, stages=list(stages))
             return instantiate(self.model, strategy=strategy)
         except InstantiationException as err:
+            unimportable = unimportable_target(err)
+            if unimportable is not None:  # model.net._target_ of a user's own network
+                raise unimportable from err
             raise ValueError(f"config group 'model' failed to build "
                              f"({self.model.get('_target_')}): {err}") from err
 

@@ -453,7 +453,7 @@ def list_folder_pairs(root: Path, images: str, masks: str, pairs_csv: Path | Non
                  else f"the {what} {base} (split {prefix[:-1]} of data.root)")
         return match_pairs(found, labels, where,
                            f"{images} and {masks} below {base} ({layout})", prefix=prefix,
-                           root=base)
+                           root=base, kind=mask_column)
 
     splits = split_dirs(root, images)
     if not splits:

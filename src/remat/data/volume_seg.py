@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from remat.data.base import SplitDataModule, check_limits
+from remat.data.layout import natural_key
 from remat.data.masks import IGNORE_INDEX
 from remat.data.splits import split_ids
 from remat.data.verify import DataCheckError, should_verify, verify_setting
@@ -147,11 +148,13 @@ def verify_volumes(pairs: Sequence[VolumePair], classes: int, channels: int,
     """Check every pair (:func:`check_volume_pair`) before training.
 
     Raises:
-        DataCheckError: one line naming each bad file and what is wrong.
+        DataCheckError: one line naming each bad file (in the natural order of the pairs'
+            names) and what is wrong.
     """
+    ordered = sorted(pairs, key=lambda pair: natural_key(pair.name))  # split order is random
     problems = [p for p in (check_volume_pair(pair, classes, channels, source=source,
                                               channel_source=channel_source)
-                            for pair in pairs) if p]
+                            for pair in ordered) if p]
     if problems:
         raise DataCheckError(f"{title}: {len(problems)} bad volume(s): " + "; ".join(problems))
 

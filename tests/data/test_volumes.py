@@ -232,3 +232,25 @@ def test_unpaired_volumes_say_label_and_list_in_order_with_the_total(tmp_path):
         "images/case2.nii.gz, images/case3.nii.gz, images/case4.nii.gz, images/case8.nii.gz, "
         "images/case9.nii.gz and 2 more (7 in all); 1 label(s) without an image: "
         "labels/case0.nii.gz. Expected images/* and labels/* below")
+
+
+@pytest.mark.parametrize("suffix", [".nii.gz", ".npy"])
+def test_loading_volumes_logs_no_reader_attempts(tmp_path, caplog, suffix):
+    """Each NIfTI file was first tried with MONAI's NumpyReader, which logged an INFO line
+    'NumpyReader: unable to load ...' per file and key (12 lines for a 3-volume epoch)."""
+    import logging
+
+    root = write_volume_folder(tmp_path / "v", count=2, suffix=suffix)
+    dm = _dm(root)
+    dm.setup("fit")
+    load = dm.load_transform()
+    with caplog.at_level(logging.DEBUG):
+        sample = load({"image": str(root / "images" / f"case0{suffix}"),
+                       "label": str(root / "labels" / f"case0{suffix}")})
+    assert tuple(sample["image"].shape) == (1, 24, 24, 24)
+    assert [r.getMessage() for r in caplog.records if r.name == "LoadImage"] == []
+    # errors still reach the user: a file no reader can read
+    (root / "images" / f"case1{suffix}").write_bytes(b"not a volume")
+    with pytest.raises(RuntimeError, match="applying transform"):
+        load({"image": str(root / "images" / f"case1{suffix}"),
+              "label": str(root / "labels" / f"case1{suffix}")})

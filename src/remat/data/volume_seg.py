@@ -382,8 +382,12 @@ class VolumeSegDataModule(SplitDataModule):
         from monai.data import NumpyReader
 
         keys = list(keys)
-        load = mt.LoadImaged(keys, reader="NibabelReader", image_only=True)
-        # tried first for the files whose suffix it reads: 4D arrays hold channels last
+        # reader=None: LoadImage picks the reader by file suffix (NIfTI: MONAI's default
+        # NibabelReader, tried before the other defaults), instead of trying each reader in
+        # turn, where every NIfTI file first failed in the NumpyReader and logged an INFO
+        # line "NumpyReader: unable to load ..." per file and key.
+        load = mt.LoadImaged(keys, reader=None, image_only=True)
+        # registered last, so tried first for the suffixes it reads: 4D arrays hold channels last
         load.register(NumpyReader(channel_dim=-1 if self.in_channels > 1 else None))
         steps: list[Any] = [load, mt.EnsureChannelFirstd(keys)]
         if self.axcodes:

@@ -24,7 +24,7 @@ def test_a_folder_that_does_not_hold_the_layout(tmp_path, capsys):
     (tmp_path / "pictures").mkdir()
     err = one_line_error(capsys, compose_train(tmp_path / "run", [
         *TINY_TRAINER, "data=folder", f"data.root={tmp_path}"]))
-    assert "image folder root" in err and "does not hold that layout" in err
+    assert f"data.root={tmp_path} (image folder) does not hold that layout" in err
     assert len(err.splitlines()) == 1
 
 

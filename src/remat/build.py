@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from remat import run_shape
+from remat.errors import unimportable_target
 
 #: The largest element count a tensor may have (torch indexes elements with int64).
 INT64_MAX = 2**63 - 1
@@ -80,6 +81,9 @@ class ModelBuilder:
         try:
             strategy = instantiate(self.strategy)
         except InstantiationException as err:
+            unimportable = unimportable_target(err)
+            if unimportable is not None:
+                raise unimportable from err
             raise ValueError(f"config group 'strategy' failed to build "
                              f"({self.strategy.get('_target_')}): {err}") from err
         return self.with_strategy(strategy)
@@ -89,6 +93,8 @@ class ModelBuilder:
         config's ``model.stages``).
 
         Raises:
+            ImportError: a ``_target_`` in it cannot be imported (naming its key and the fix,
+                :func:`remat.errors.unimportable_target`).
             ValueError: the ``model`` group fails to build (naming its ``_target_``).
         """
         try:
@@ -96,6 +102,9 @@ class ModelBuilder:
                 return instantiate(self.model, strategy=strategy, stages=list(stages))
             return instantiate(self.model, strategy=strategy)
         except InstantiationException as err:
+            unimportable = unimportable_target(err)
+            if unimportable is not None:  # model.net._target_ of a user's own network
+                raise unimportable from err
             raise ValueError(f"config group 'model' failed to build "
                              f"({self.model.get('_target_')}): {err}") from err
 
@@ -107,13 +116,16 @@ def build_from_config(cfg: DictConfig) -> tuple[ModelBuilder, str, int, int | tu
     (and other ``model.stages``); see :class:`ModelBuilder`.
 
     Raises:
-        ValueError: no size key, bad sizes (naming the key), a precision that cannot be
-            traced, or a group whose ``_target_`` cannot be imported (naming the group).
+        ValueError: no size key, bad sizes (naming the key), a 3D network on 2D images or a
+            2D one on volumes (:func:`remat.run_shape.check_spatial_dims`), a precision
+            that cannot be traced, or a group whose ``_target_`` cannot be imported (naming
+            the group).
     """
     size_key = run_shape.size_key_of(cfg.data, cfg.model)
     if size_key is None:
         raise ValueError("no input size: set data.image_size or data.patch_size "
                          "(image models, px) or data.block_size (sequence models, tokens)")
+    run_shape.check_spatial_dims(cfg.model, cfg.data)
     size = OmegaConf.select(cfg, size_key)
     channels = int(cfg.model.get("in_channels", 1) or 1)
     batch_size, size = check_sizes(cfg.data.get("batch_size"), size, size_key, channels)

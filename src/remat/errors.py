@@ -11,6 +11,7 @@ remat's own code (``AttributeError``, ``AssertionError``, ...) keep their traceb
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,11 +42,59 @@ def mark_in_loop() -> Iterator[None]:
         raise
 
 
+_LOCATING = re.compile(r"Error locating target '([^']+)'")
+_FULL_KEY = re.compile(r"full_key: (\S+)")
+
+
+def unimportable_target(err: BaseException) -> ImportError | None:
+    """The message a user needs for Hydra's ``Error locating target '<t>'`` (an
+    ``InstantiationException`` that names neither the key's ``_target_`` nor the fix, e.g.
+    ``model.net._target_=mypkg.MyNet`` whose folder is not on ``PYTHONPATH``), or None
+    for any other error. The returned error is raised from ``err`` (chained).
+
+    Returns:
+        ImportError naming ``<full_key>._target_=<t>`` and which of three it is: the module
+        is not importable (put the folder holding it on PYTHONPATH, or install it), the
+        module imports but needs a package that is missing, or the module lacks the name.
+    """
+    from hydra.errors import InstantiationException
+
+    found = _LOCATING.search(str(err)) if isinstance(err, InstantiationException) else None
+    if found is None:
+        return None
+    target = found.group(1)
+    key = _FULL_KEY.search(str(err))
+    setting = f"{key.group(1)}._target_={target}" if key else f"_target_={target}"
+    missing, cause, seen = None, err.__cause__, set()
+    while cause is not None and id(cause) not in seen and missing is None:
+        seen.add(id(cause))
+        if isinstance(cause, ModuleNotFoundError) and cause.name:
+            missing = cause.name
+        cause = cause.__cause__ or cause.__context__
+    module, _, name = target.rpartition(".")
+    if missing is None or missing == target:
+        why = (f"module {module!r} has no attribute {name!r}; check the spelling of the "
+               "class or function" if module else "give the full dotted path, e.g. "
+               "mypkg.nets.MyNet")
+    elif target.startswith(missing + "."):
+        top = missing.split(".", 1)[0]
+        why = (f"module {missing!r} is not importable: the folder holding {top}/ (or "
+               f"{top}.py) must be on PYTHONPATH (PYTHONPATH=/path/to/that/folder python "
+               f"train.py ...), or install its project (pip install -e <project>)")
+    else:
+        why = (f"module {module!r} imports {missing!r}, which is not installed "
+               f"(pip install {missing.split('.', 1)[0]})")
+    new = ImportError(f"{setting} cannot be imported: {why}")
+    new.__cause__ = err
+    return new
+
+
 def user_error(err: BaseException) -> BaseException | None:
     """The error to show a user for ``err`` raised while setting a run up: ``err`` itself,
     or, for Hydra's ``InstantiationException``, the error it wraps when that is a user
-    error (its message names the key), or Hydra's own message for a wrong call or import
-    (it names the ``_target_`` and the config key); None for errors that keep their
+    error (its message names the key), :func:`unimportable_target`'s for a target that
+    cannot be imported, or Hydra's own message for a wrong call (it names the ``_target_``
+    and the config key); None for errors that keep their
     traceback (remat's or a user's code failing inside a constructor)."""
     if getattr(err, _IN_LOOP, False):
         return None
@@ -54,7 +103,8 @@ def user_error(err: BaseException) -> BaseException | None:
     if isinstance(err, InstantiationException):
         cause = err.__cause__
         if cause is None or isinstance(cause, TypeError | ImportError):
-            return err  # Hydra's message names the _target_, the call and the config key
+            # Hydra's message names the _target_, the call and the config key
+            return unimportable_target(err) or err
         return user_error(cause)
     if isinstance(err, USER_ERRORS):
         return err

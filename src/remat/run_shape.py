@@ -174,6 +174,80 @@ def shape_of(data: Any, model_cfg: Any = None, strict: bool = False) -> RunShape
     return RunShape(batch, size, key)
 
 
+def _spatial_dims_of_model(model: Any) -> int | None:
+    """2 or 3: the spatial dimensions a segmentation model (config or module) takes, its
+    ``spatial_dims`` (default 2); None for sequence models and models that do not say."""
+    if model is None or is_sequence_model(model):
+        return None
+    # keys present, not resolved: data=msd's num_classes reads data.root's dataset.json
+    is_config = isinstance(model, DictConfig | Mapping)
+    if not any((k in model) if is_config else hasattr(model, k)
+               for k in ("spatial_dims", "num_classes")):
+        return None  # not a segmentation model
+    dims = _get(model, "spatial_dims")
+    if dims is None:
+        return 2
+    return dims if dims in (2, 3) else None  # another value: SegmentationModule names it
+
+
+def _spatial_dims_of_data(data: Any) -> tuple[int, str, Any] | None:
+    """``(dims, size_key, size)`` of an image/volume data config or datamodule: 3 for a
+    ``[d, h, w]`` size (volumes), 2 for a side or ``[h, w]`` (images); None for sequence
+    data or a size that is unset or not valid (its own check names it)."""
+    shape = shape_of(data)
+    if shape.kind != "image" or shape.size is None:
+        return None
+    size = shape.size
+    dims = 3 if isinstance(size, tuple) and len(size) == 3 else 2
+    return dims, shape.size_key, list(size) if isinstance(size, tuple) else size
+
+
+def _named(group: str, name: str | None, node: Any) -> str:
+    """``model=unet_resnet18`` (given, or Hydra's choice for a config node), else
+    ``model (SegmentationModule)``."""
+    if not name and isinstance(node, DictConfig):
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            name = HydraConfig.get().runtime.choices.get(group)
+        except ValueError:  # no Hydra app around this call
+            name = None
+    if name:
+        return f"{group}={name}"
+    target = _get(node, "_target_")
+    return f"{group} ({str(target).rsplit('.', 1)[-1] if target else type(node).__name__})"
+
+
+def check_spatial_dims(model: Any, data: Any, model_name: str | None = None,
+                       data_name: str | None = None) -> None:
+    """Refuse a 3D network (``model.spatial_dims=3``) on 2D images, or a 2D one on volumes
+    (a ``[d, h, w]`` ``data.patch_size``), before any data is read or a model is built; both
+    failed mid-step with torch's convolution error.
+
+    Args:
+        model, data: the ``model`` and ``data`` config nodes, or the module and datamodule.
+        model_name, data_name: the config choices (``monai_unet3d``, ``synthetic_seg``).
+
+    Raises:
+        ValueError: names ``model=``, ``model.spatial_dims``, ``data=`` and its size key and
+            says which data or model fits.
+    """
+    model_dims, served = _spatial_dims_of_model(model), _spatial_dims_of_data(data)
+    if model_dims is None or served is None or model_dims == served[0]:
+        return
+    dims, key, size = served
+    m, d = _named("model", model_name, model), _named("data", data_name, data)
+    if model_dims == 3:
+        raise ValueError(
+            f"{m} is a 3D network (model.spatial_dims=3) but {d} serves 2D images "
+            f"({key}={size}); a 3D network needs volumes [d, h, w]: use data=msd or "
+            f"data=volumes (with data.root), or a 2D model (e.g. model=unet_resnet18)")
+    raise ValueError(
+        f"{m} is a 2D network (model.spatial_dims=2) but {d} serves 3D volumes "
+        f"({key}={size}); use a 3D model for volumes (e.g. model=monai_unet3d, or "
+        f"model.spatial_dims=3 with a 3D model.net), or 2D image data (e.g. data=folder)")
+
+
 def check_precision(precision: Any, accelerator: str = "auto",
                     allowed: Sequence[str] = PRECISIONS, who: str = "precision") -> str:
     """``precision`` as a string, checked against ``allowed``.

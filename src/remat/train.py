@@ -30,6 +30,7 @@ from remat.models.checks import check_checkpoint_fits, check_model_fits_data, ch
 from remat.planner import InfeasibleBudget, PlanInputError, PlanMismatch
 from remat.planner.run import plan_for_run, resumed_replay
 from remat.run_config import resume_args
+from remat.run_shape import check_spatial_dims
 from remat.runs import (  # noqa: F401 - instantiate_group, resolve_last: part of this API
     RunStart,
     checkpoint_to_resume,
@@ -74,7 +75,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         remat.callbacks.RunDirInUse: another live run holds the output folder.
         ValueError: bad top-level keys (``seed``, ``precision``, ``accumulate_grad_batches``),
-            a model that does not fit the data (kinds, ``num_classes``, ``in_channels``), a
+            a model that does not fit the data (kinds, 2D/3D, ``num_classes``,
+            ``in_channels``), a
             ``ckpt_path`` of another model, a ``monitor`` key not logged in validation (after
             the first validation), or any error of the data, model or strategy configs.
         SystemExit: the run was stopped by a signal.
@@ -88,6 +90,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             with sigterm_raises():  # until Lightning's own handler takes over in fit
                 start.rebuild(cfg)
                 check_top_level(cfg)
+                check_spatial_dims(cfg.model, cfg.data, hydra_choice("model"),
+                                   hydra_choice("data"))  # before any volume is read
                 start.save_config(cfg)
                 L.seed_everything(cfg.seed, workers=True)
                 datamodule = instantiate(cfg.data)

@@ -324,9 +324,17 @@ def test_unset_or_empty_root_says_what_to_set(tmp_path: Path, case: str):
     with pytest.raises(ValueError, match=f"data.root is not set for {re.escape(cls.title)}"):
         cls(None).setup()
     (tmp_path / "unrelated").mkdir()
-    with pytest.raises(FileNotFoundError, match="(lacks|does not hold that layout)") as info:
+    with pytest.raises(FileNotFoundError, match=rf"^data.root={re.escape(str(tmp_path))} "
+                                                rf"\({re.escape(cls.title)}\) (lacks|does "
+                                                r"not hold that layout)") as info:
         cls(tmp_path).setup()
-    assert str(tmp_path) in str(info.value) and cls.layout in str(info.value)
+    assert f"Expected layout: {cls.layout}" in str(info.value)
+    assert f"Get it from {cls.url}" in str(info.value)
+    absent = tmp_path / "absent"
+    with pytest.raises(FileNotFoundError, match=rf"^data.root={re.escape(str(absent))} "
+                                                rf"\({re.escape(cls.title)}\) does not "
+                                                r"exist\. Expected layout: "):
+        cls(absent).setup()
 
 
 # ---------------------------------------------------------------------------- configs

@@ -5,6 +5,7 @@ TIFFs), and the data check that stops a run whose labels cannot be right."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -343,6 +344,11 @@ def test_a_monitor_the_model_does_not_log_stops_the_run_before_lightning(tmp_pat
 
 def test_a_folder_without_the_layout_says_what_it_expected(tmp_path):
     (tmp_path / "pictures").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"does not hold that layout\. Expected layout: "
-                                                r"images/<name>.<ext> and masks/<name>.<ext>"):
+    with pytest.raises(FileNotFoundError, match=rf"^data.root={re.escape(str(tmp_path))} "
+                                                r"\(image folder\) does not hold that layout\. "
+                                                r"Expected layout: images/<name>.<ext> and "
+                                                r"masks/<name>.<ext>.*\(in [^ ]+\)$"):
         FolderSegDataModule(tmp_path).setup()
+    with pytest.raises(FileNotFoundError, match=r"^data.root=\S+absent \(image folder\) does "
+                                                r"not exist\. Expected layout: images/"):
+        FolderSegDataModule(tmp_path / "absent").setup()

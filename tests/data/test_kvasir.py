@@ -212,7 +212,7 @@ def test_masks_without_images_are_named_up_to_five(fake_root: Path):
     message = str(info.value)
     assert "7 mask(s) without an image" in message
     assert "masks/extra0.jpg" in message and "masks/extra4.jpg" in message
-    assert "masks/extra5.jpg" not in message and "and 2 more" in message
+    assert "masks/extra5.jpg" not in message and "and 2 more (7 in all)" in message
 
 
 @pytest.mark.parametrize("folder", ["images", "masks"])

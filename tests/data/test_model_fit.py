@@ -60,3 +60,49 @@ def test_grey_model_on_kvasir_fails_before_training(tmp_path: Path):
     assert instantiate(cfg.data).in_channels == 1
     assert train(cfg)["status"] == "completed"
 
+
+
+def test_3d_network_on_images_names_both_keys_before_any_work(tmp_path: Path):
+    """model=monai_unet3d data=synthetic_seg planned, built and then died mid-step with
+    torch's conv3d channel error; now one error before the data or the model is built."""
+    from remat.build import build_from_config
+    from remat.run_shape import check_spatial_dims
+
+    cfg = compose_train(tmp_path / "run", [*TINY_TRAINER, "model=monai_unet3d",
+                                           "data=synthetic_seg", "data.image_size=32"])
+    with pytest.raises(ValueError, match=r"^model=monai_unet3d is a 3D network \(model\."
+                                         r"spatial_dims=3\) but data=synthetic_seg serves 2D "
+                                         r"images \(data.image_size=32\); a 3D network needs "
+                                         r"volumes \[d, h, w\]: use data=msd or data=volumes "
+                                         r"\(with data.root\), or a 2D model"):
+        check_spatial_dims(cfg.model, cfg.data, "monai_unet3d", "synthetic_seg")
+    dims_error = r"^model=monai_unet3d is a 3D network .* but data=synthetic_seg serves 2D"
+    with pytest.raises(ValueError, match=dims_error):
+        train(cfg)
+    assert not (tmp_path / "run" / "config.yaml").exists()  # refused before the run began
+    with pytest.raises(ValueError, match=dims_error):  # remat.plan, estimate, strategy=budget
+        build_from_config(cfg)
+
+
+def test_2d_network_on_volumes_fails_before_reading_them(tmp_path: Path):
+    """unet_resnet18 on data=msd died with 'Expected 3D (unbatched) or 4D (batched) input to
+    conv2d'; the check reads no file (this data.root does not even exist)."""
+    cfg = compose_train(tmp_path / "run", [*TINY_TRAINER, "model=unet_resnet18", "data=msd",
+                                           f"data.root={tmp_path / 'absent'}"])
+    with pytest.raises(ValueError, match=r"^model=unet_resnet18 is a 2D network "
+                                         r"\(model.spatial_dims=2\) but data=msd "
+                                         r"serves 3D volumes \(data.patch_size=\[96, 96, 96\]\); "
+                                         r"use a 3D model for volumes \(e.g. "
+                                         r"model=monai_unet3d, or model.spatial_dims=3 with a "
+                                         r"3D model.net\), or 2D image data"):
+        train(cfg)
+
+
+def test_matching_dims_and_sequence_models_pass_the_check(tmp_path: Path):
+    from remat.run_shape import check_spatial_dims
+
+    for overrides in (["model=monai_unet3d", "data=msd", "data.root=x"],
+                      ["model=unet_resnet18", "data=synthetic_seg"],
+                      ["model=gpt_tiny", "data=tinyshakespeare"]):
+        cfg = compose_train(tmp_path / "run", [*TINY_TRAINER, *overrides])
+        check_spatial_dims(cfg.model, cfg.data)  # no error

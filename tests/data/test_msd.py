@@ -6,6 +6,7 @@ run with bad volumes from starting."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -137,8 +138,16 @@ def test_a_run_with_bad_volumes_does_not_start(task, tmp_path):
 
 
 def test_layout_errors_name_the_file(tmp_path, task):
-    with pytest.raises(FileNotFoundError, match="no dataset.json in"):
+    with pytest.raises(FileNotFoundError, match=r"^data.root=\S+empty_dir \(data=msd\) does "
+                                                r"not exist; expected an MSD task folder: "
+                                                r"<root>/dataset.json, <root>/imagesTr/"):
         MSDDataModule(tmp_path / "empty_dir", patch_size=[16, 16, 16])
+    # the folder holding the task: the message names the task folder to pass
+    with pytest.raises(FileNotFoundError, match=rf"^data.root={re.escape(str(task.parent))} "
+                                                r"\(data=msd\) holds no dataset.json \(it "
+                                                rf"holds the task folder\(s\) {task.name}: "
+                                                rf"pass data.root={re.escape(str(task))}\)"):
+        MSDDataModule(task.parent, patch_size=[16, 16, 16])
     meta = json.loads((task / "dataset.json").read_text())
     meta["training"].append({"image": "./imagesTr/gone.nii.gz", "label": "./labelsTr/gone.nii.gz"})
     (task / "dataset.json").write_text(json.dumps(meta))

@@ -6,6 +6,7 @@ was expected, a 1-step run of the 3D U-Net and prediction in the input's own for
 from __future__ import annotations
 
 import csv
+import re
 
 import numpy as np
 import pytest
@@ -104,13 +105,27 @@ def test_split_folders_globs_and_csv(tmp_path):
 def test_layout_and_setting_errors_name_what_was_expected(tmp_path):
     root = write_volume_folder(tmp_path / "v", count=2)
     (root / "labels" / "case1.nii.gz").unlink()
-    with pytest.raises(FileNotFoundError, match=r"1 image\(s\) without a mask: "
+    with pytest.raises(FileNotFoundError, match=r"1 image\(s\) without a label: "
                                                 r"images/case1.nii.gz"):
         _dm(root).setup("fit")
     with pytest.raises(ValueError, match="data.class_names has 2 names for 3 label values"):
         _dm(root, num_classes=3, class_names=["background", "liver"])
     with pytest.raises(ValueError, match="data.root is not set"):
         _dm(None).setup("fit")
+
+
+def test_a_missing_or_empty_root_names_data_root_and_the_layout(tmp_path):
+    """A wrong data.root said 'no images found in the volume folder <path>', not which key."""
+    absent = tmp_path / "absent"
+    with pytest.raises(FileNotFoundError, match=rf"^data.root={re.escape(str(absent))} "
+                                                r"\(volume folder\) does not exist; expected "
+                                                r"images/\* and labels/\* below it \(images/"
+                                                r"<name>.nii.gz"):
+        _dm(absent).setup("fit")
+    with pytest.raises(FileNotFoundError, match=rf"^no images found in the volume folder "
+                                                rf"data.root={re.escape(str(tmp_path))}; "
+                                                r"expected images/\* and labels/\*"):
+        _dm(tmp_path).setup("fit")
 
 
 def _refused(root, match, **kwargs) -> str:
@@ -136,6 +151,9 @@ def test_data_check_names_each_bad_file_and_what_was_expected(tmp_path):
     assert "expected the same voxel grid" in message
     assert f"{values_bad}: label values [4] are not among data.num_classes's classes 0..1" \
         in message
+    # in the order of the names, not of the (seeded, random) train/val split
+    assert message.index(str(shape_bad)) < message.index(str(affine_bad)) \
+        < message.index(str(values_bad))
     # three classes allow 0..2, not 4
     assert "label values [4]" in _refused(root, "bad volume", num_classes=3)
 
@@ -198,3 +216,41 @@ def test_nifti_folder_trains_and_predicts_nifti_with_the_input_affine(tmp_path):
     assert mask.shape == source.shape  # back on the file's grid after resampling
     np.testing.assert_allclose(mask.affine, source.affine)
     assert set(np.unique(np.asarray(mask.dataobj)).tolist()) <= {0, 1, 2}
+
+
+def test_unpaired_volumes_say_label_and_list_in_order_with_the_total(tmp_path):
+    """The volume layout calls them labels (it said 'mask'); a long list is cut at five in
+    natural order and says how many there are in all."""
+    root = write_volume_folder(tmp_path / "v", count=12)
+    for i in (11, 3, 10, 2, 9, 4, 8):
+        (root / "labels" / f"case{i}.nii.gz").unlink()
+    (root / "images" / "case0.nii.gz").unlink()
+    with pytest.raises(FileNotFoundError) as info:
+        _dm(root).setup("fit")
+    assert str(info.value).startswith(
+        f"the volume folder data.root={root} is incomplete; 7 image(s) without a label: "
+        "images/case2.nii.gz, images/case3.nii.gz, images/case4.nii.gz, images/case8.nii.gz, "
+        "images/case9.nii.gz and 2 more (7 in all); 1 label(s) without an image: "
+        "labels/case0.nii.gz. Expected images/* and labels/* below")
+
+
+@pytest.mark.parametrize("suffix", [".nii.gz", ".npy"])
+def test_loading_volumes_logs_no_reader_attempts(tmp_path, caplog, suffix):
+    """Each NIfTI file was first tried with MONAI's NumpyReader, which logged an INFO line
+    'NumpyReader: unable to load ...' per file and key (12 lines for a 3-volume epoch)."""
+    import logging
+
+    root = write_volume_folder(tmp_path / "v", count=2, suffix=suffix)
+    dm = _dm(root)
+    dm.setup("fit")
+    load = dm.load_transform()
+    with caplog.at_level(logging.DEBUG):
+        sample = load({"image": str(root / "images" / f"case0{suffix}"),
+                       "label": str(root / "labels" / f"case0{suffix}")})
+    assert tuple(sample["image"].shape) == (1, 24, 24, 24)
+    assert [r.getMessage() for r in caplog.records if r.name == "LoadImage"] == []
+    # errors still reach the user: a file no reader can read
+    (root / "images" / f"case1{suffix}").write_bytes(b"not a volume")
+    with pytest.raises(RuntimeError, match="applying transform"):
+        load({"image": str(root / "images" / f"case1{suffix}"),
+              "label": str(root / "labels" / f"case1{suffix}")})

@@ -92,3 +92,39 @@ def test_a_strategy_that_would_wrap_nothing_is_refused_naming_the_modules(tmp_pa
     assert "down1 (ConvBlock), down2 (ConvBlock), fuse (ConvBlock)" in str(error)
     assert built(tmp_path, [*PLAIN, "strategy=none", "model.stages=[]"]).strategy_report.wrapped \
         == []
+
+
+@pytest.mark.parametrize("target,why", [
+    # the user's package is not on PYTHONPATH: Hydra said only "Error locating target"
+    ("mypkg_absent.nets.MyNet", "module 'mypkg_absent' is not importable: the folder "
+     "holding mypkg_absent/ (or mypkg_absent.py) must be on PYTHONPATH (PYTHONPATH=/path/to/"
+     "that/folder python train.py ...), or install its project (pip install -e <project>)"),
+    ("tests.models.nets.NoSuchNet", "module 'tests.models.nets' has no attribute 'NoSuchNet'; "
+     "check the spelling of the class or function"),
+    ("tests.models.needs_missing.Net", "module 'tests.models.needs_missing' imports "
+     "'remat_test_missing_dependency', which is not installed "
+     "(pip install remat_test_missing_dependency)"),
+])
+def test_a_net_that_cannot_be_imported_names_the_key_and_pythonpath(tmp_path, capsys, target,
+                                                                    why):
+    from remat.build import build_from_config
+    from remat.errors import run_entry
+
+    (tmp_path / "tests" / "models").mkdir(parents=True)  # a module whose own import fails
+    (tmp_path / "tests" / "models" / "needs_missing.py").write_text(
+        "import remat_test_missing_dependency\n")
+    cfg = compose_train(tmp_path / "run", [*TINY, "model=custom", f"model.net._target_={target}"])
+    with pytest.MonkeyPatch.context() as patch:
+        import tests.models
+
+        patch.setattr(tests.models, "__path__", [*tests.models.__path__,
+                                                 str(tmp_path / "tests" / "models")])
+        with pytest.raises(SystemExit):  # python train.py: one line, exit code 1
+            run_entry(train, cfg)
+        expected = f"error: model.net._target_={target} cannot be imported: {why}"
+        assert capsys.readouterr().err.strip() == expected
+        build, *_ = build_from_config(cfg)  # remat.plan, estimate, strategy=budget
+        with pytest.raises(ImportError) as info:
+            build()
+    assert str(info.value) == expected.removeprefix("error: ")
+    assert isinstance(info.value.__cause__, InstantiationException)  # Hydra's error chained

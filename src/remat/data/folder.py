@@ -433,19 +433,27 @@ def list_folder_pairs(root: Path, images: str, masks: str, pairs_csv: Path | Non
         layout, what: the expected layout and what the folder is, for messages.
 
     Raises:
-        FileNotFoundError: no images, unpaired files, a missing CSV or file.
+        FileNotFoundError: ``root`` missing (names ``data.root``), no images, unpaired files,
+            a missing CSV or file.
         ValueError: a glob without ``*``, two files of one name, a malformed CSV.
     """
     if pairs_csv is not None:
         return read_pairs_csv(pairs_csv if pairs_csv.is_absolute() else root / pairs_csv,
                               mask_column, name_of)
 
+    if not root.is_dir():
+        state = "does not exist" if not root.exists() else "is not a folder"
+        raise FileNotFoundError(f"data.root={root} ({what}) {state}; expected {images} and "
+                                f"{masks} below it ({layout})")
+
     def listed(base: Path, prefix: str) -> list[ImageMaskPair]:
         found = glob_names(base, images, "data.images", suffixes)
         labels = glob_names(base, masks, masks_key, suffixes)
-        return match_pairs(found, labels, f"the {what} {base}",
+        where = (f"the {what} data.root={base}" if base == root
+                 else f"the {what} {base} (split {prefix[:-1]} of data.root)")
+        return match_pairs(found, labels, where,
                            f"{images} and {masks} below {base} ({layout})", prefix=prefix,
-                           root=base)
+                           root=base, kind=mask_column)
 
     splits = split_dirs(root, images)
     if not splits:

@@ -16,10 +16,14 @@ from remat.data.pairs import ImageMaskPair
 _SHOW = 5  # how many offending names an error message lists
 
 
-def listing(names: Sequence[str]) -> str:
-    """Up to five names, comma-separated, then "and N more"."""
-    shown = ", ".join(names[:_SHOW])
-    return shown + (f" and {len(names) - _SHOW} more" if len(names) > _SHOW else "")
+def listing(names: Iterable[str]) -> str:
+    """The first five names in natural order (:func:`natural_key`: the same message for the
+    same files, whatever order they were found in), comma-separated, then "and N more (M in
+    all)"."""
+    ordered = sorted((str(n) for n in names), key=natural_key)
+    shown = ", ".join(ordered[:_SHOW])
+    more = len(ordered) - _SHOW
+    return shown + (f" and {more} more ({len(ordered)} in all)" if more > 0 else "")
 
 
 def list_files(folder: Path, endings: Iterable[str]) -> dict[str, Path]:
@@ -44,7 +48,8 @@ def list_files(folder: Path, endings: Iterable[str]) -> dict[str, Path]:
 
 def match_pairs(images: Mapping[str, Path], masks: Mapping[str, Path], where: str,
                 layout: str, valid: Mapping[str, Path] | None = None,
-                prefix: str = "", root: Path | None = None) -> list[ImageMaskPair]:
+                prefix: str = "", root: Path | None = None,
+                kind: str = "mask") -> list[ImageMaskPair]:
     """Pair images with masks (and FOV masks) by name.
 
     Args:
@@ -53,13 +58,16 @@ def match_pairs(images: Mapping[str, Path], masks: Mapping[str, Path], where: st
         layout: the expected layout, for messages.
         prefix: prepended to every name (``"Tile 1/"``, ``"train/"``) to keep names unique.
         root: messages name files relative to it (``images/cju0.jpg``); None: bare file names.
+        kind: what the layout calls the second file of a pair: ``mask``, or ``label`` for
+            volumes (MSD / nnU-Net label maps).
 
     Returns:
         Pairs sorted by name.
 
     Raises:
         FileNotFoundError: no images, or an image lacks its mask (or FOV mask), or a mask lacks
-            its image; the message lists up to five files of each kind and the layout.
+            its image; the message gives each count and lists the first five files of each
+            kind (:func:`listing`) and the layout.
     """
     if not images:
         raise FileNotFoundError(f"no images found in {where}; expected {layout}")
@@ -69,14 +77,14 @@ def match_pairs(images: Mapping[str, Path], masks: Mapping[str, Path], where: st
                          for n in names])
 
     problems = []
-    kinds = [("mask", masks)] + ([("FOV mask", valid)] if valid is not None else [])
-    for kind, files in kinds:
+    kinds = [(kind, masks)] + ([("FOV mask", valid)] if valid is not None else [])
+    for what, files in kinds:
         lone = sorted(images.keys() - files.keys())
         if lone:
-            problems.append(f"{len(lone)} image(s) without a {kind}: {shown(images, lone)}")
+            problems.append(f"{len(lone)} image(s) without a {what}: {shown(images, lone)}")
     lone_masks = sorted(masks.keys() - images.keys())
     if lone_masks:
-        problems.append(f"{len(lone_masks)} mask(s) without an image: "
+        problems.append(f"{len(lone_masks)} {kind}(s) without an image: "
                         f"{shown(masks, lone_masks)}")
     if problems:
         raise FileNotFoundError(f"{where} is incomplete; " + "; ".join(problems)
@@ -102,8 +110,8 @@ def find_dataset_root(root: str | Path | None, *, title: str, folder: str, layou
 
     Raises:
         ValueError: ``root`` is None or blank; says how to set it.
-        FileNotFoundError: no candidate holds the layout; names ``root``, the layout, the
-            missing sub-folders and where to get the data.
+        FileNotFoundError: no candidate holds the layout; names ``data.root=<root>``, whether
+            it is missing or what it lacks, the layout and where to get the data.
     """
     if root is None or not str(root).strip():
         raise ValueError(
@@ -121,10 +129,13 @@ def find_dataset_root(root: str | Path | None, *, title: str, folder: str, layou
     else:
         lacking = [f"{d}/" for d in required if not (given / d).is_dir()]
         state = "lacks " + ", ".join(lacking) if lacking else "does not hold that layout"
-    below = f", or in {' or '.join(f'{s}/' for s in subfolders)} below either" if subfolders else ""
+    places = f"{given}" + (f" or {given / folder}/" if folder else "")
+    below = (f", or in {' or '.join(f'{s}/' for s in subfolders)} below "
+             f"{'either' if folder else 'it'}" if subfolders else "")
+    source = f". Get it from {url}" if "://" in url else ""  # not for a user's own folder
     raise FileNotFoundError(
-        f"{title} root {given} {state}. Expected layout: {layout} (in {given} or "
-        f"{given}/{folder}/{below}). Get it from {url}"
+        f"data.root={given} ({title}) {state}. Expected layout: {layout} (in {places}{below})"
+        f"{source}"
     )
 
 

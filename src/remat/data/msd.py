@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from remat.data.layout import listing
 from remat.data.volume_seg import (
     INTENSITY_MODES,
     NIFTI_SUFFIXES,
@@ -52,13 +53,22 @@ def read_dataset_json(root: Path) -> dict[str, Any]:
     """``<root>/dataset.json``, checked for ``labels`` and ``training``.
 
     Raises:
-        FileNotFoundError: no ``dataset.json`` (names the layout).
+        FileNotFoundError: no ``dataset.json`` (names ``data.root``, whether it exists, the
+            task folders it holds, and the layout).
         ValueError: not JSON, or ``labels`` / ``training`` missing or malformed; names the
             file.
     """
     path = root / "dataset.json"
     if not path.is_file():
-        raise FileNotFoundError(f"data=msd: no dataset.json in {root}; expected {MSD_LAYOUT}")
+        if not root.is_dir():
+            state = "does not exist" if not root.exists() else "is not a folder"
+        else:
+            tasks = sorted(p.name for p in root.iterdir() if (p / "dataset.json").is_file())
+            state = "holds no dataset.json" + (
+                f" (it holds the task folder(s) {listing(tasks)}: pass data.root="
+                f"{root / tasks[0]})" if tasks else "")
+        raise FileNotFoundError(f"data.root={root} (data=msd) {state}; expected an MSD task "
+                                f"folder: {MSD_LAYOUT}")
     try:
         meta = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from remat.data.io import DataFileError
+from remat.data.layout import natural_key
 from remat.data.pairs import ImageMaskPair, ImageReader, MaskDecoder, inspect_pair
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
 
     Raises:
         DataCheckError: (a ``ValueError``) one or more bad files or splits; the message lists
-            every one: path, what is wrong, what was expected.
+            every one (files in natural order of their paths, then splits): path, what is
+            wrong, what was expected.
     """
     start = time.perf_counter()
     problems: list[DataFileError] = []
@@ -121,6 +123,7 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
             problems += pair_problems
             if pair_counts is not None:
                 counts[pair.name] = pair_counts
+    problems.sort(key=lambda p: natural_key(str(p.path)))  # the same order on every run
     for split, names in (splits or {}).items():
         decoded = [counts[n] for n in names if n in counts]
         if decoded and len(decoded) == len(names):

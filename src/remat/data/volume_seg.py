@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from remat.data.base import SplitDataModule, check_limits
+from remat.data.layout import natural_key
 from remat.data.masks import IGNORE_INDEX
 from remat.data.splits import split_ids
 from remat.data.verify import DataCheckError, should_verify, verify_setting
@@ -147,11 +148,13 @@ def verify_volumes(pairs: Sequence[VolumePair], classes: int, channels: int,
     """Check every pair (:func:`check_volume_pair`) before training.
 
     Raises:
-        DataCheckError: one line naming each bad file and what is wrong.
+        DataCheckError: one line naming each bad file (in the natural order of the pairs'
+            names) and what is wrong.
     """
+    ordered = sorted(pairs, key=lambda pair: natural_key(pair.name))  # split order is random
     problems = [p for p in (check_volume_pair(pair, classes, channels, source=source,
                                               channel_source=channel_source)
-                            for pair in pairs) if p]
+                            for pair in ordered) if p]
     if problems:
         raise DataCheckError(f"{title}: {len(problems)} bad volume(s): " + "; ".join(problems))
 
@@ -379,8 +382,12 @@ class VolumeSegDataModule(SplitDataModule):
         from monai.data import NumpyReader
 
         keys = list(keys)
-        load = mt.LoadImaged(keys, reader="NibabelReader", image_only=True)
-        # tried first for the files whose suffix it reads: 4D arrays hold channels last
+        # reader=None: LoadImage picks the reader by file suffix (NIfTI: MONAI's default
+        # NibabelReader, tried before the other defaults), instead of trying each reader in
+        # turn, where every NIfTI file first failed in the NumpyReader and logged an INFO
+        # line "NumpyReader: unable to load ..." per file and key.
+        load = mt.LoadImaged(keys, reader=None, image_only=True)
+        # registered last, so tried first for the suffixes it reads: 4D arrays hold channels last
         load.register(NumpyReader(channel_dim=-1 if self.in_channels > 1 else None))
         steps: list[Any] = [load, mt.EnsureChannelFirstd(keys)]
         if self.axcodes:

@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from remat.run_shape import check_spatial_dims
+
 # hyper-parameters whose disagreement makes a checkpoint unusable for a config
 MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes", "vocab_size", "block_size",
               "n_layer", "n_head", "n_embd")
@@ -78,7 +80,8 @@ def check_model_fits_data(model: L.LightningModule, datamodule: Any,
     """Raise before training when the model cannot read the datamodule's batches.
 
     Checks the kinds (segmentation model with ``num_classes`` vs sequence model with
-    ``vocab_size``; datamodules expose the same attribute), ``model.num_classes`` against the
+    ``vocab_size``; datamodules expose the same attribute), a 2D network on volumes or a 3D
+    one on images (:func:`remat.run_shape.check_spatial_dims`), ``model.num_classes`` against the
     datamodule's ``num_classes`` (1 = binary) and ``model.in_channels`` against the
     datamodule's ``in_channels`` when it has one (every segmentation datamodule: 3, or 1 for
     ``data.image_mode=grey``).
@@ -99,6 +102,7 @@ def check_model_fits_data(model: L.LightningModule, datamodule: Any,
             f"(model={'gpt_tiny' if data_kind == 'sequence' else 'unet_resnet18'})")
     if model_kind != "segmentation" or data_kind != "segmentation":
         return
+    check_spatial_dims(model, datamodule, model_name, data_name)  # before channels: 2D vs 3D
     ours, theirs = model.hparams.get("num_classes"), getattr(datamodule, "num_classes", None)
     if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
         raise ValueError(

@@ -55,6 +55,7 @@ from omegaconf import DictConfig, OmegaConf
 from remat import _compat, run_shape
 from remat.build import build_from_config
 from remat.config import config_dir
+from remat.errors import run_entry
 from remat.measure import format_bytes
 from remat.measure.kernels import KernelTemporaries, measured_temporaries, signatures_fn
 from remat.measure.trace import Estimate, in_children, trace_step
@@ -232,9 +233,10 @@ def run(cfg: DictConfig) -> Estimate:
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="estimate")
 def main(cfg: DictConfig) -> None:
     """Hydra app around :func:`run`; a strategy that cannot be traced exits with code 2 and
-    the reason, instead of a number."""
+    the reason, instead of a number; a user error (a config, data or model-build error)
+    exits with code 1 and its message on one line (:func:`remat.errors.run_entry`)."""
     try:
-        run(cfg)
+        run_entry(run, cfg)
     except NotTraceable as err:
         print(str(err), file=sys.stderr)
         sys.exit(2)

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from remat import run_shape
 from remat.config import config_dir
+from remat.errors import run_entry
 from remat.measure import format_bytes
 from remat.planner import (
     InfeasibleBudget,
@@ -227,14 +228,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> None:
     """Hydra app around :func:`run`; an infeasible budget exits with code 2 and what would
     fit instead (on stderr); a bad planner setting (:class:`~remat.planner.PlanInputError`)
-    exits with code 1 and its message on one line (``error: ...``)."""
-    try:
-        run(cfg)
-    except InfeasibleBudget as err:
-        print(str(err), file=sys.stderr)
-        sys.exit(2)
-    except PlanInputError as err:
-        raise SystemExit(f"error: {err}") from None
+    or another user error (a config, data or model-build error,
+    :func:`remat.errors.run_entry`) exits with code 1 and its message on one line
+    (``error: ...``)."""
+    def run_or_exit(cfg: DictConfig) -> None:
+        try:
+            run(cfg)
+        except InfeasibleBudget as err:  # what would fit, on several lines: exit code 2
+            print(str(err), file=sys.stderr)
+            raise SystemExit(2) from None
+        except PlanInputError as err:
+            raise SystemExit(f"error: {err}") from None
+
+    run_entry(run_or_exit, cfg)
 
 
 if __name__ == "__main__":

@@ -309,3 +309,23 @@ def test_the_printed_frontier_says_its_peaks_are_the_allocators():
     header, row = text.splitlines()
     assert "(peak: allocator, with the batch and kernel temporaries)" in header
     assert row.split()[1:] == ["300.0", "MiB", "250.0", "MiB", "1.100", "1.200"]
+
+
+@pytest.mark.parametrize("app", ["plan", "estimate"])
+def test_a_user_error_in_plan_or_estimate_ends_in_one_line(app, tmp_path, capsys):
+    # as train.py and remat.eval: a config/data/model error is one line, exit code 1 (a
+    # 3D net on 2D images printed a traceback above the message)
+    import importlib
+
+    main = importlib.import_module(f"remat.{app}").main
+    cfg = compose_app(app, tmp_path, ["model=monai_unet3d"])
+    with read_write(cfg.hydra):
+        cfg.hydra.mode = RunMode.RUN
+    HydraConfig().set_config(cfg)
+    with pytest.raises(SystemExit) as stop:
+        main.__wrapped__(cfg)
+    assert stop.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "error: model=monai_unet3d is a 3D network (model.spatial_dims=3) but "
+        "data=synthetic_seg serves 2D images")

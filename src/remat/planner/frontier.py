@@ -11,6 +11,7 @@ samples/s of each.
 from __future__ import annotations
 
 import csv
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from remat.planner.memory import PlanInputError
 from remat.planner.planner import InfeasibleBudget, Planner
 from remat.planner.run import planner_for, run_shape_of
 from remat.strategies import FIXED_POINTS, build_strategy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,13 +56,22 @@ def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> lis
                 for label, plan in planner.references(default_stages)}
     points = []
     for stages_label, stages in (("default stages", default_stages), ("whole network", whole)):
+        def build_on(s: Any, st: list[str] = stages) -> Any:
+            return build(s, st)
+
+        strategies = [build_strategy(name, **kwargs) for _, name, kwargs in FIXED_POINTS
+                      if name != "none"]
+        try:  # side by side (one child process per CPU), cached for the loop below
+            planner.trace_many(strategies, build_on, key=stages_label)
+        except Exception:  # noqa: BLE001 - one that cannot apply is named below, alone
+            log.debug("fixed strategies traced side by side failed", exc_info=True)
         for label, name, kwargs in FIXED_POINTS:
             if name == "none" and stages_label == "whole network":
                 continue
             strategy = build_strategy(name, **kwargs)
             try:
                 traced = planner.none if name == "none" else planner.trace(
-                    strategy, lambda s, st=stages: build(s, st), key=stages_label)
+                    strategy, build_on, key=stages_label)
             except Exception as err:  # noqa: BLE001 - one strategy that cannot apply
                 points.append(Point("fixed", f"{label} ({stages_label})", None, None, None,
                                     None, None, f"{type(err).__name__}: {err}"[:200]))
@@ -72,12 +84,19 @@ def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> lis
     return points
 
 
+#: Distinct plans the search traces per frontier point (a budget's own plan: the planner's
+#: ``max_traces``, 6): each point also draws on every plan traced before it
+#: (:meth:`Planner.traced_fitting`), the points run from the floor up.
+FRONTIER_TRACES = 3
+
+
 def frontier(planner: Planner, count: int) -> list[Point]:
     """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none's, or
     to the device's memory where none needs more (gpt_medium at 8192 tokens on an H100:
     154 GiB); one note instead where the floor needs more than the device has. The points
     are the search's plans without :meth:`Planner.refine` (its traces, per point, would
-    double the frontier's cost): the plan made for a budget may sit below them."""
+    double the frontier's cost), each from at most :data:`FRONTIER_TRACES` traces of its
+    own: the plan made for a budget may sit below them."""
     _, floor = planner.floor()
     low = planner.budget_for(floor.allocator_peak)
     high = planner.budget_for(planner.none.allocator_peak)
@@ -92,7 +111,7 @@ def frontier(planner: Planner, count: int) -> list[Point]:
     for i in range(count):
         budget = low + (high - low) * i // max(1, count - 1)
         try:
-            plan = planner.plan(budget, refine=False).plan
+            plan = planner.plan(budget, refine=False, max_traces=FRONTIER_TRACES).plan
         except InfeasibleBudget as err:
             points.append(Point("plan", "plan", budget, None, None, None, None,
                                 str(err).splitlines()[0]))

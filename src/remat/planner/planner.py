@@ -481,11 +481,13 @@ class Planner:
         return out
 
     # -- search ------------------------------------------------------------------------
-    def plan(self, memory: Any, refine: bool = True) -> Planned:
+    def plan(self, memory: Any, refine: bool = True, max_traces: int | None = None
+             ) -> Planned:
         """The plan with the least modelled recompute time whose traced peak plus margin fits
         ``memory`` (see :func:`remat.planner.memory.parse_memory`); ``refine``: lower its
         recompute by the units' forward order afterwards (:meth:`refine`, up to
-        :data:`REFINE_TRACES` more traces; the frontier's points go without).
+        :data:`REFINE_TRACES` more traces; the frontier's points go without);
+        ``max_traces``: distinct plans the search traces (``None``: the planner's).
 
         Raises:
             ValueError: a bad ``memory`` (names ``strategy.memory``).
@@ -533,8 +535,9 @@ class Planner:
         # trace, and bisects (regula falsi next to a fitting point far below stalls on one
         # plan just over the budget: U-Net-R34 at 512 px spent 4 of 6 traces on one)
         distinct: set[str] = set()
-        for _ in range(4 * self.max_traces):
-            if len(distinct) >= self.max_traces:
+        limit = self.max_traces if max_traces is None else max(1, int(max_traces))
+        for _ in range(4 * limit):
+            if len(distinct) >= limit:
                 break
             found = best_plan(self.frontiers, self.base, target, self.granularity,
                               self.release)

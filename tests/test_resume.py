@@ -161,6 +161,8 @@ def test_sigint_then_resume_of_a_shuffled_loader_is_exact(tmp_path, unet_referen
     assert_same_run(reference, run_dir, steps=8)
 
 
+@pytest.mark.slow  # 33 s; the same handler's promise runs by default in
+# tests/test_resume_run_config.py (SIGTERM at step 3: exit 143, the step saved, resumed exactly)
 def test_sigterm_from_outside_saves_a_checkpoint_and_exits_non_zero(tmp_path):
     """``kill -TERM <pid>`` while the run trains: status interrupted, last.ckpt at the last
     completed step, exit code 143."""

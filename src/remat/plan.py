@@ -118,6 +118,12 @@ def _plan_lines(plan: Plan, seconds: float, temporaries: bool = True) -> str:
             + plan.summary())
 
 
+def _cost(planner: Any, plan: Plan) -> float:
+    """What the planner minimised for ``plan``: modelled recompute time (s) or FLOPs."""
+    return (planner.modelled_cost(plan) if planner.objective == "time"
+            else float(plan.recompute_flops))
+
+
 def _micro_batch_table(rows: list[dict[str, Any]], effective: int) -> str:
     lines = [f"micro-batch search, effective batch {effective}:"]
     for r in rows:
@@ -196,6 +202,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                         "strategies:\n" + format_points(points))
         write_frontier(points, out, shape, planner.objective)
         result["frontier"] = [vars(p) for p in points]
+    if memory is not None and not effective and points:
+        # the frontier traced more plans; one that fits this budget and costs less replaces
+        # the plan (the search's own traces come from the cache: no trace is repeated), so
+        # the plan is never above a frontier point at a budget at most its own
+        again = planner.plan(memory)
+        if _cost(planner, again.plan) < _cost(planner, planned.plan):
+            planned = again
+            planned.plan.save(path)
+            report_log.info("a plan traced for the frontier fits the budget and costs less: "
+                            + _plan_lines(planned.plan, planned.seconds, measured)
+                            + f"\nplan written to {path} (the same train command)")
+            result["plan"] = planned.plan.to_dict()
     if effective:
         rows = micro_batches(cfg, memory, effective, planner)
         result["micro_batches"] = rows

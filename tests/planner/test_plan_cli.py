@@ -329,3 +329,38 @@ def test_a_user_error_in_plan_or_estimate_ends_in_one_line(app, tmp_path, capsys
     assert len(err) == 1 and err[0].startswith(
         "error: model=monai_unet3d is a 3D network (model.spatial_dims=3) but "
         "data=synthetic_seg serves 2D images")
+
+
+@pytest.mark.slow  # > 20 s; the pool it rests on: test_planner.py::test_a_larger_budget_*
+def test_a_cheaper_plan_traced_for_the_frontier_replaces_the_plan(tmp_path, monkeypatch,
+                                                                  caplog):
+    from remat.planner import Planner
+
+    original = Planner.plan
+    calls = []
+
+    def first_finds_only_the_floor(self, memory, refine=True, max_traces=None):
+        calls.append(memory)
+        if len(calls) > 1:
+            return original(self, memory, refine, max_traces)
+        floor_plan, floor = self.floor()  # fits any budget the floor fits, costs the most
+        budget = self.budget_for(self.none.allocator_peak) - 1
+        return original(self, budget, refine, max_traces).__class__(
+            self._finish(floor_plan, floor, budget, self.margin_for(budget)),
+            floor.allocator_peak, [], 0.0)
+
+    monkeypatch.setattr(Planner, "plan", first_finds_only_the_floor)
+    cfg = compose_app("plan", tmp_path, ["model=gpt_tiny", "+data.block_size=32",
+                                         "data.batch_size=2", "strategy.device=h100",
+                                         "strategy.max_traces=2", "budgets=2", "fixed=false",
+                                         "strategy.memory=0.999"])
+    with caplog.at_level(logging.INFO, logger="remat.plan.report"):
+        result = plan_run(cfg)
+    assert "a plan traced for the frontier fits the budget and costs less" in caplog.text
+    saved = Plan.load(tmp_path / "plan.json")
+    assert saved.to_dict() == result["plan"]
+    # no frontier point at a budget at most the plan's is cheaper than it
+    for point in result["frontier"]:
+        if point["budget_bytes"] <= saved.budget_bytes and point["overhead"] is not None:
+            assert saved.predicted_overhead <= point["overhead"] + 1e-9
+    assert saved.predicted_allocator_peak_bytes + saved.margin_bytes <= saved.budget_bytes

@@ -300,8 +300,11 @@ def test_bad_settings_name_the_key(options, match):
 
 
 def test_unset_root_says_how_to_set_it():
-    with pytest.raises(ValueError, match="data.root is not set for image folder"):
+    with pytest.raises(ValueError, match="data.root is not set for image folder") as err:
         FolderSegDataModule(None).setup()
+    # a user's own folder: no dataset folder name, no REMAT_DATA_DIR, nowhere to download
+    assert "pass data.root=/path/to/your/folder (a folder with " in str(err.value)
+    assert "REMAT_DATA_DIR" not in str(err.value) and "Get the data" not in str(err.value)
 
 
 @pytest.mark.parametrize("encoding,overrides,metric", [

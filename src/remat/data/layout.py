@@ -114,6 +114,9 @@ def find_dataset_root(root: str | Path | None, *, title: str, folder: str, layou
             it is missing or what it lacks, the layout and where to get the data.
     """
     if root is None or not str(root).strip():
+        if "://" not in url:  # a user's own folder: no dataset folder name, no download
+            raise ValueError(f"data.root is not set for {title}: pass data.root=/path/to/"
+                             f"your/folder (a folder with {layout})")
         raise ValueError(
             f"data.root is not set for {title}: pass data.root=/path/to/{folder} "
             f"(a folder with {layout}) or set REMAT_DATA_DIR to the folder that holds "

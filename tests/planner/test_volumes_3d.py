@@ -20,18 +20,18 @@ from remat.strategies import NoCheckpoint
 from tests.helpers import compose_config
 
 SMALL = {
-    "monai_unet3d": ["data.image_size=32", "model.net.channels=[4,8,16,32,64]"],
-    "monai_segresnet3d": ["data.image_size=32", "model.net.init_filters=8"],
-    "monai_dynunet3d": ["data.image_size=32", "model.net.filters=[4,8,16,32,64]"],
+    "monai_unet3d": ["data.patch_size=[32,32,32]", "model.net.channels=[4,8,16,32,64]"],
+    "monai_segresnet3d": ["data.patch_size=[32,32,32]", "model.net.init_filters=8"],
+    "monai_dynunet3d": ["data.patch_size=[32,32,32]", "model.net.filters=[4,8,16,32,64]"],
     # SwinUNETR needs sides of 64 with instance norm (five halvings, a bottleneck > 1 voxel)
-    "monai_swinunetr3d": ["data.image_size=64", "model.net.feature_size=12"],
+    "monai_swinunetr3d": ["data.patch_size=[64,64,64]", "model.net.feature_size=12"],
 }
 
 
 def _cfg(tmp_path, model: str, strategy: str, extra: list[str] = ()):
     return compose_config("estimate", tmp_path, [
-        f"model={model}", f"strategy={strategy}", "device=cpu", "data.batch_size=1",
-        "+data.num_classes=2", "kernel_temporaries=true", *SMALL[model], *extra])
+        f"model={model}", "data=volumes", f"strategy={strategy}", "device=cpu",
+        "data.batch_size=1", "data.num_classes=2", "kernel_temporaries=true", *SMALL[model], *extra])
 
 
 def allocator_peak(build, strategy, batch_size, size) -> int:

@@ -49,7 +49,7 @@ def test_a_missing_corpus(tmp_path, capsys):
     assert "nowhere" in err and "input.txt" in err
 
 
-def test_the_command_line_prints_one_line_and_the_full_error_on_request(tmp_path):
+def test_the_command_line_prints_one_line(tmp_path):
     args = [str(REPO / "train.py"), *TINY, "strategy=sqrtn", "model.stages=[]",
             f"hydra.run.dir={tmp_path / 'r'}"]
     short = run_python(args, cwd=tmp_path)
@@ -57,6 +57,11 @@ def test_the_command_line_prints_one_line_and_the_full_error_on_request(tmp_path
     assert short.stderr.strip().splitlines()[-1].startswith(
         "error: strategy=sqrtn would wrap nothing: model.stages is empty")
     assert "Traceback" not in short.stderr
-    full = run_python([*args[:-1], f"hydra.run.dir={tmp_path / 'f'}"], cwd=tmp_path,
-                      env={"HYDRA_FULL_ERROR": "1"})
+
+
+@pytest.mark.slow  # a second train.py start, 9 s: make test-all
+def test_hydra_full_error_prints_the_traceback(tmp_path):
+    args = [str(REPO / "train.py"), *TINY, "strategy=sqrtn", "model.stages=[]",
+            f"hydra.run.dir={tmp_path / 'f'}"]
+    full = run_python(args, cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
     assert full.returncode == 1 and "Traceback" in full.stderr and "StageError" in full.stderr

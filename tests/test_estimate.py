@@ -108,7 +108,7 @@ def test_cuda_without_a_driver_is_refused_with_the_reason(tmp_path):
         estimate(compose_config("estimate", tmp_path, [*GPT, "device=cuda"]))
 
 
-def test_entry_point_prints_the_table_and_refuses_compile(tmp_path):
+def test_entry_point_prints_the_table(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "remat.estimate", *GPT, "+data.block_size=64",
                          "strategy=sqrtn", f"hydra.run.dir={tmp_path / 'a'}"],
                         capture_output=True, text=True, timeout=300)
@@ -120,6 +120,10 @@ def test_entry_point_prints_the_table_and_refuses_compile(tmp_path):
     assert record["config"]["data"]["block_size"] == 64
     # no .hydra/ folder: `remat.report outputs/` must not list the estimate as a missing job
     assert not (tmp_path / "a" / ".hydra").exists()
+
+
+@pytest.mark.slow  # a second remat.estimate start, 8 s: make test-all
+def test_entry_point_refuses_compile(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "remat.estimate", *GPT, "strategy=compile",
                           f"hydra.run.dir={tmp_path / 'b'}"],
                          capture_output=True, text=True, timeout=300)

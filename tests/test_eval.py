@@ -187,6 +187,7 @@ def test_eval_refuses_more_than_one_device(tmp_path, trained):
         evaluate(compose_eval(tmp_path, [f"ckpt_path={ckpt}", "trainer.devices=2"]))
 
 
+@pytest.mark.slow  # a remat.eval start, 9 s; the table in process: the tests above
 def test_eval_command_line_prints_reference_table(tmp_path, trained):
     ckpt, _ = trained
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}

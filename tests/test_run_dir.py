@@ -28,6 +28,7 @@ def _start(cwd: Path, *args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # two concurrent train.py runs, 17 s: the in-use tests below stay
 def test_two_runs_started_at_once_get_two_folders(tmp_path):
     procs = [_start(tmp_path), _start(tmp_path)]
     results = [p.communicate(timeout=600) for p in procs]

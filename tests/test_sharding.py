@@ -140,6 +140,7 @@ def test_a_strategy_that_says_it_cannot_be_sharded_is_refused_naming_both_keys(m
         module.configure_model()
 
 
+@pytest.mark.slow  # 10 s; the per-rank estimate of a 2-rank run: tests/test_fsdp.py
 def test_one_rank_fsdp_estimate_counts_the_gathered_units():
     """``trainer=fsdp trainer.devices=1``: the trace shards over a 1-rank (fake) group, as
     the run does, so each unit's gathered parameters are counted; was traced unsharded

@@ -39,7 +39,7 @@ def test_train_with_a_budget_shows_predicted_and_measured_peak(tmp_path, planned
     _, none, _ = planned
     budget = int(0.92 * none)
     cfg = compose_train(tmp_path, [*TINY, *NET, "strategy=budget", f"strategy.memory={budget}",
-                                   "strategy.device=cpu", "strategy.max_traces=2",
+                                   "strategy.device=cpu", "strategy.max_traces=1",
                                    "strategy.margin=0.0"])
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["strategy"] == "plan"

@@ -31,7 +31,8 @@ SMALL = {
 def _cfg(tmp_path, model: str, strategy: str, extra: list[str] = ()):
     return compose_config("estimate", tmp_path, [
         f"model={model}", "data=volumes", f"strategy={strategy}", "device=cpu",
-        "data.batch_size=1", "data.num_classes=2", "kernel_temporaries=true", *SMALL[model], *extra])
+        "data.batch_size=1", "data.num_classes=2", "kernel_temporaries=true", *SMALL[model],
+        *extra])
 
 
 def allocator_peak(build, strategy, batch_size, size) -> int:

@@ -334,6 +334,7 @@ def test_inductor_outputs_gradients_and_saved_bytes():
     CompileBudget(backend="inductor").verify(model)
 
 
+@pytest.mark.slow  # 13 s of inductor compiles: make test-all
 def test_inductor_dropout_masks_differ_from_eager_unless_fallback_random():
     """inductor draws dropout masks with its own kernels (other numbers than eager) and keeps
     them at budget 0 (same gradients as at 1.0); torch._inductor.config.fallback_random=True

@@ -221,6 +221,7 @@ def test_op_names_resolve_in_every_spelling():
     assert repr(strategy).startswith("SelectiveCheckpoint(policy='ops', ops=['aten.mm'")
 
 
+@pytest.mark.slow  # a real 3D SwinUNETR step per policy, 14 s: make test-all
 def test_never_above_none_on_swin_attention_with_large_unsaved_scores():
     """MONAI's 3D SwinUNETR (window attention in its math form: the q @ k^T scores are a
     matmul output autograd does not save, as large as the softmax output it does save).

@@ -108,7 +108,10 @@ class LastCheckpoint(Checkpoint):
     * on SIGTERM or SIGINT: the signal is held until the current optimizer step is complete
       (all accumulated batches, or the epoch end), the checkpoint is written, and the run stops
       through Lightning's SIGTERM path (``SIGTERMException``, ``on_exception`` hooks, loggers
-      finalised). A second signal while waiting acts at once (SIGINT: ``KeyboardInterrupt``).
+      finalised). A second signal while waiting is handed on: SIGINT raises
+      ``KeyboardInterrupt``; SIGTERM goes to the handler installed before this one
+      (Lightning's, which stops the run at the end of the current batch), or, with none,
+      terminates the process at once.
       ``received_signal`` names the signal (``"SIGTERM"``/``"SIGINT"``). Under DDP/FSDP a
       signal reaching any one rank stops every rank after the same optimizer step (one
       small all-reduce per step); once they agreed, further signals are ignored. A signal
@@ -219,14 +222,17 @@ class LastCheckpoint(Checkpoint):
             if self._preemption is not None and signum == self._preemption[0]:
                 self.deferred = self._preemption
             log.warning("received %s: stopping after the current optimizer step, with a "
-                        "checkpoint (send it again to stop at once)", self.received_signal)
+                        "checkpoint (a second SIGINT stops at once, a second SIGTERM at the end "
+                        "of this batch)", self.received_signal)
             return
         previous = self._handlers.get(signum)
         self._restore_handlers()
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if callable(previous):
+        if callable(previous):  # Lightning's: it stops the run at the end of this batch
             previous(signum, frame)
+        elif previous in (None, signal.SIG_DFL):  # nothing else handles it: terminate now
+            os.kill(os.getpid(), signum)
 
     def _restore_handlers(self) -> None:
         for signum, handler in self._handlers.items():

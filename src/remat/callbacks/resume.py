@@ -218,6 +218,10 @@ class ResumeState(L.Callback):
     sampler's settings. Resumed on another number of ranks, each skips an even share of
     what all ranks trained (the order then differs anyway, and a warning says so).
 
+    A resumed run also sets aside the rows an earlier run logged at the checkpoint's global
+    step or later (:meth:`remat.loggers.CSVLogger.set_aside_steps_from`): after a kill
+    without a checkpoint (SIGKILL, out of memory) they are steps this run trains again.
+
     Exact for loaders without workers (``data.num_workers=0``). With workers, the order and
     position are restored, but not the RNG inside persistent workers, nor (for a resume
     inside an epoch) the worker seeds of that epoch. Needs a datamodule
@@ -423,6 +427,15 @@ class ResumeState(L.Callback):
             return None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.ckpt_path is not None:
+            # a run killed after its last checkpoint had logged steps this run trains again
+            for logger in trainer.loggers:
+                set_aside = getattr(logger, "set_aside_steps_from", None)
+                moved = set_aside(trainer.global_step) if set_aside is not None else None
+                if moved:
+                    log.info("resuming at global step %d: %d rows an earlier run logged at "
+                             "that step or later (trained again now) moved to "
+                             "metrics.replayed.csv", trainer.global_step, moved)
         if self._rng is not None:
             set_rng_state(self._rng)
             self._rng = None

@@ -362,3 +362,13 @@ def test_resume_from_an_epoch_end_with_another_batch_size_starts_the_next_epoch(
                                              "trainer.max_epochs=2", "ckpt_path=last"]))
     assert resumed["global_step"] == steps
     assert resumed["resumed_from"] == str(tmp_path / "checkpoints" / "last.ckpt")  # not "last"
+
+
+def test_the_progress_bar_switch_turns_off_the_default_callbacks_bar(tmp_path):
+    # the default callback group holds a RichProgressBar: with the switch off Lightning
+    # refused the pair ("configured with enable_progress_bar=False but found RichProgressBar")
+    summary = train(compose_train(tmp_path, [
+        "data.image_size=32", "data.num_train=4", "data.num_val=2", "data.batch_size=2",
+        "trainer.max_steps=1", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
+        "callbacks.run_report.estimate=false"]))
+    assert summary["status"] == "completed" and summary["global_step"] == 1

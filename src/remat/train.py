@@ -20,6 +20,7 @@ import hydra
 import lightning as L
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig
 
 from remat.callbacks import RunSummary, failure_summary
@@ -105,6 +106,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                     check_checkpoint_fits(model, ckpt, ckpt_path)
                     del ckpt  # Lightning reads the file again in fit, with the optimizer state
                 callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
+                if cfg.trainer.get("enable_progress_bar") is False:
+                    # the switch wins over the callback group's bar: Lightning refuses both
+                    callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
                 trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=instantiate_group(
                     cfg.get("logger"), "logger") or False)
             trainer_started = True

@@ -28,6 +28,7 @@ import json
 import logging
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -193,13 +194,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                         + f"\nplan written to {path}; train with it:\n  python train.py "
                         + " ".join(shlex.quote(o) for o in result["train_overrides"]))
         result["plan"] = planned.plan.to_dict()
+    started = time.perf_counter()
     points = frontier(planner, int(cfg.budgets)) if int(cfg.budgets) > 0 else []
     default_stages = listed_stages(cfg.model.get("stages"))
     if cfg.get("fixed", True):
         points += fixed_points(planner, build, default_stages)
     if points:
         report_log.info("frontier (plans for budgets from the floor to none) and fixed "
-                        "strategies:\n" + format_points(points))
+                        f"strategies, traced in {time.perf_counter() - started:.1f} s:\n"
+                        + format_points(points))
         write_frontier(points, out, shape, planner.objective)
         result["frontier"] = [vars(p) for p in points]
     if memory is not None and not effective and points:

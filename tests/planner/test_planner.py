@@ -183,6 +183,11 @@ def test_frontier_stops_at_the_device_memory(gpt, monkeypatch):
     points = frontier(planner, 3)
     assert [p.budget_bytes for p in points] == [low, (low + device) // 2, device]
     assert all(p.peak_bytes is not None and p.peak_bytes < device for p in points)
+    # one budget from the floor to the top (the floor is none's, or the device's memory):
+    # one point, not three of the same plan
+    monkeypatch.setattr(planner, "spec", dataclasses.replace(planner.spec, memory_bytes=low))
+    (point,) = frontier(planner, 3)
+    assert point.budget_bytes == low and point.peak_bytes is not None
     monkeypatch.setattr(planner, "spec", dataclasses.replace(planner.spec,
                                                              memory_bytes=low - 1))
     (point,) = frontier(planner, 3)

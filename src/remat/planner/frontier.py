@@ -91,7 +91,8 @@ FRONTIER_TRACES = 3
 
 
 def frontier(planner: Planner, count: int) -> list[Point]:
-    """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none's, or
+    """Plans for ``count`` budgets evenly spaced from the floor (plus margin) to none's (the
+    distinct ones: a single point where the floor is none's peak), or
     to the device's memory where none needs more (gpt_medium at 8192 tokens on an H100:
     154 GiB); one note instead where the floor needs more than the device has. The points
     are the search's plans without :meth:`Planner.refine` (its traces, per point, would
@@ -108,8 +109,8 @@ def frontier(planner: Planner, count: int) -> list[Point]:
                           f"({format_bytes(device)})")]
         high = device
     points = []
-    for i in range(count):
-        budget = low + (high - low) * i // max(1, count - 1)
+    # distinct budgets: where the floor is none's peak (an optimizer-step peak) they are one
+    for budget in sorted({low + (high - low) * i // max(1, count - 1) for i in range(count)}):
         try:
             plan = planner.plan(budget, refine=False, max_traces=FRONTIER_TRACES).plan
         except InfeasibleBudget as err:

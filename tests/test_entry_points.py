@@ -26,12 +26,11 @@ def test_module_entry_point_is_the_same_app(tmp_path):
     assert summary["strategy"] == "full" and summary["global_step"] == 1
 
 
+@pytest.mark.slow  # train.py starts, 7-10 s each; its one-line error: tests/test_errors.py
 @pytest.mark.parametrize("override,expected", [
     ("strategy=sqrt", "Available options in 'strategy'"),
-    # the message itself is checked in process (tests/test_train.py); here a second
-    # train.py start, 10 s: make test-all
-    pytest.param("accumulate_grad_batches=0", "accumulate_grad_batches must be an integer >= 1",
-                 marks=pytest.mark.slow),
+    # the message itself is also checked in process (tests/test_train.py)
+    ("accumulate_grad_batches=0", "accumulate_grad_batches must be an integer >= 1"),
 ])
 def test_bad_command_line_fails_with_a_clear_message(tmp_path, override, expected):
     proc = run_python([str(REPO / "train.py"), override, *FAST,

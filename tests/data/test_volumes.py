@@ -126,6 +126,14 @@ def test_a_missing_or_empty_root_names_data_root_and_the_layout(tmp_path):
                                                 rf"data.root={re.escape(str(tmp_path))}; "
                                                 r"expected images/\* and labels/\*"):
         _dm(tmp_path).setup("fit")
+    # a folder of 2D images given to data=volumes: the files it found are named
+    (tmp_path / "images").mkdir()
+    for name in ("a.png", "b.png", "c.tif"):
+        (tmp_path / "images" / name).write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match=r"images/\* holds 3 files of other types "
+                                                r"\(.png x2, .tif x1\), this data reads "
+                                                r".nii.gz, .nii, .npy"):
+        _dm(tmp_path).setup("fit")
 
 
 def _refused(root, match, **kwargs) -> str:

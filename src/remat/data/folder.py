@@ -39,6 +39,7 @@ from __future__ import annotations
 import csv
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
@@ -305,6 +306,22 @@ def _pattern_regex(name_pattern: str) -> tuple[re.Pattern[str], bool]:
     return re.compile("".join(out), re.IGNORECASE), name_pattern.endswith("*")
 
 
+def _other_files(base: Path, pattern: str, suffixes: Sequence[str]) -> str:
+    """``; images/* holds 6 files of other types (.png x6), read: .nii.gz, .nii, .npy``
+    when the glob matches files this data does not read, else ``""``."""
+    def kind(path: Path) -> str:
+        ends = path.suffixes[-2:] if path.name.lower().endswith(".gz") else path.suffixes[-1:]
+        return "".join(ends).lower() or "(no suffix)"
+
+    kinds = Counter(kind(p) for p in base.glob(pattern)
+                    if p.is_file() and not p.name.startswith("."))
+    if not kinds:
+        return ""
+    listed = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+    return (f"; {pattern} holds {sum(kinds.values())} files of other types ({listed}), this "
+            f"data reads {', '.join(suffixes)}")
+
+
 def glob_names(base: Path, pattern: str, key: str,
                suffixes: Sequence[str] = IMAGE_SUFFIXES) -> dict[str, Path]:
     """``{name: path}`` of the files matching ``pattern`` below ``base``.
@@ -451,9 +468,11 @@ def list_folder_pairs(root: Path, images: str, masks: str, pairs_csv: Path | Non
         labels = glob_names(base, masks, masks_key, suffixes)
         where = (f"the {what} data.root={base}" if base == root
                  else f"the {what} {base} (split {prefix[:-1]} of data.root)")
-        return match_pairs(found, labels, where,
-                           f"{images} and {masks} below {base} ({layout})", prefix=prefix,
-                           root=base, kind=mask_column)
+        expected = f"{images} and {masks} below {base} ({layout})"
+        if not found:
+            expected += _other_files(base, images, suffixes)
+        return match_pairs(found, labels, where, expected, prefix=prefix, root=base,
+                           kind=mask_column)
 
     splits = split_dirs(root, images)
     if not splits:

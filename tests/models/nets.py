@@ -78,3 +78,11 @@ class PinnedPeakNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.stem(x)))
+
+
+def sequential_net(in_channels: int = 3, out_channels: int = 1, width: int = 8,
+                   depth: int = 4) -> nn.Sequential:
+    """A network that is itself an ``nn.Sequential`` of conv blocks and a 1x1 head:
+    ``[B, in_channels, H, W]`` -> ``[B, out_channels, H, W]``."""
+    blocks = [_block(in_channels, width)] + [_block(width, width) for _ in range(depth - 1)]
+    return nn.Sequential(*blocks, nn.Conv2d(width, out_channels, 1))

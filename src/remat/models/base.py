@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from remat.strategies import (
     StageError,
     StrategyReport,
 )
+from remat.strategies.segmented import CHAIN_TYPES
 from remat.strategies.stages import AUTO, discover_units, module_listing, stage_setting
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,18 @@ class StrategyModule(L.LightningModule):
         stages = discover_units(net) if setting == AUTO else setting
         if setting == AUTO:
             log.info("model.stages=auto: %s", ", ".join(stages) or "no unit found")
+            if isinstance(net, CHAIN_TYPES) and len(net) > 1 and self.strategy.name != "none":
+                # a stage path names a module inside the network, not the network itself
+                # (a trial's nn.Sequential of six conv blocks: full 1.43x none's peak)
+                warnings.warn(
+                    f"model.net is itself a chain ({type(net).__name__} of {len(net)} "
+                    "modules), which no stage path can name: model.stages=auto takes the "
+                    f"chains inside its members ({', '.join(stages[:6]) or 'none'}), where "
+                    f"strategy={self.strategy.name} may save little or raise the peak. Hold "
+                    "the chain in an attribute of your network (self.blocks = "
+                    "nn.Sequential(...), then model.stages=[blocks]), or use "
+                    "strategy=budget, which plans each unit and keeps what does not pay",
+                    UserWarning, stacklevel=2)
         self.stage_paths: list[str] = list(stages)  # FSDP units follow them too
         if not stages and self.strategy.name != "none" and not own_units:
             why = ("model.stages=auto found no unit in it (no chain and no module with "

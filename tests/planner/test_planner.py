@@ -545,3 +545,17 @@ def test_a_shared_in_place_activation_in_a_chain_plans_and_keeps_the_function(tm
     reference = grads(NoCheckpoint())
     for p in (plan, mid):
         assert compare_gradients(reference, grads(PlanStrategy(p))).match
+
+
+def test_fixed_points_of_auto_stages_are_the_whole_network_s(gpt):
+    """``model.stages=auto`` lists no stages: the frontier's "(default stages)" rows built
+    on an empty list each said only "would wrap nothing" (a trial, model=custom)."""
+    from remat.planner.frontier import fixed_points
+
+    planner, build = gpt
+    points = fixed_points(planner, build, [])
+    labels = [p.label for p in points]
+    assert labels[0] == "none" and labels.count("none") == 1
+    assert all(label.endswith("(whole network)") for label in labels[1:]) and len(labels) > 2
+    assert all(p.peak_bytes is not None and p.note in (None, "") for p in points), [
+        (p.label, p.note) for p in points if p.peak_bytes is None]

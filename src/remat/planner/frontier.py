@@ -44,7 +44,8 @@ class Point:
 
 def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:
     """One point per fixed strategy of :data:`remat.strategies.FIXED_POINTS`, traced on
-    ``default_stages`` and on the whole network (every candidate unit; ``none`` once):
+    ``default_stages`` (none listed, ``model.stages=auto``: no such rows) and on the whole
+    network (every candidate unit; ``none`` once):
     its traced allocator peak (bytes), extra FLOPs over ``none`` and modelled step time x
     ``none`` (the same strategy written as a plan, :meth:`Planner.references`). A
     strategy that cannot apply to the stages is a point with its error as the note.
@@ -55,7 +56,10 @@ def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> lis
                                                                  1e-12)
                 for label, plan in planner.references(default_stages)}
     points = []
-    for stages_label, stages in (("default stages", default_stages), ("whole network", whole)):
+    # model.stages=auto (no stages listed): the default stages are the found units, the
+    # whole network's rows; building on an empty list wrapped nothing and named only that
+    sets = [("default stages", default_stages)] if default_stages else []
+    for first, (stages_label, stages) in enumerate([*sets, ("whole network", whole)]):
         def build_on(s: Any, st: list[str] = stages) -> Any:
             return build(s, st)
 
@@ -66,7 +70,7 @@ def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> lis
         except Exception:  # noqa: BLE001 - one that cannot apply is named below, alone
             log.debug("fixed strategies traced side by side failed", exc_info=True)
         for label, name, kwargs in FIXED_POINTS:
-            if name == "none" and stages_label == "whole network":
+            if name == "none" and first:
                 continue
             strategy = build_strategy(name, **kwargs)
             try:

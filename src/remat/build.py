@@ -22,6 +22,7 @@ from torch import nn
 
 from remat import run_shape
 from remat.errors import unimportable_target
+from remat.strategies.stages import StageError
 
 #: The largest element count a tensor may have (torch indexes elements with int64).
 INT64_MAX = 2**63 - 1
@@ -95,6 +96,8 @@ class ModelBuilder:
         Raises:
             ImportError: a ``_target_`` in it cannot be imported (naming its key and the fix,
                 :func:`remat.errors.unimportable_target`).
+            remat.strategies.StageError: the stages cannot be wrapped (as the model raises
+                it: naming ``model.stages``).
             ValueError: the ``model`` group fails to build (naming its ``_target_``).
         """
         try:
@@ -105,6 +108,8 @@ class ModelBuilder:
             unimportable = unimportable_target(err)
             if unimportable is not None:  # model.net._target_ of a user's own network
                 raise unimportable from err
+            if isinstance(err.__cause__, StageError):  # names model.stages and the fix
+                raise err.__cause__ from None
             raise ValueError(f"config group 'model' failed to build "
                              f"({self.model.get('_target_')}): {err}") from err
 

@@ -86,3 +86,17 @@ def sequential_net(in_channels: int = 3, out_channels: int = 1, width: int = 8,
     ``[B, in_channels, H, W]`` -> ``[B, out_channels, H, W]``."""
     blocks = [_block(in_channels, width)] + [_block(width, width) for _ in range(depth - 1)]
     return nn.Sequential(*blocks, nn.Conv2d(width, out_channels, 1))
+
+
+class LeafNet(nn.Module):
+    """Three convolutions held as attributes, no module with children:
+    ``[B, in_channels, H, W]`` -> ``[B, out_channels, H, W]``."""
+
+    def __init__(self, in_channels: int = 3, out_channels: int = 1, width: int = 8) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(in_channels, width, 3, padding=1)
+        self.c2 = nn.Conv2d(width, width, 3, padding=1)
+        self.c3 = nn.Conv2d(width, out_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c3(torch.relu(self.c2(torch.relu(self.c1(x)))))

@@ -144,3 +144,18 @@ def test_a_network_that_is_itself_a_chain_warns_under_auto_stages(tmp_path):
         warnings.simplefilter("error", UserWarning)
         built(tmp_path / "b", [*seq, "strategy=none"])  # nothing is wrapped: no warning
         built(tmp_path / "c", [*PLAIN, "strategy=full"])  # a chain inside the net: none
+
+
+def test_a_network_of_layers_only_is_refused_listing_its_layers_in_train_and_estimate(tmp_path):
+    leaf = ["model=custom", "model.net._target_=tests.models.nets.LeafNet"]
+    with pytest.raises(InstantiationException) as info:
+        built(tmp_path / "a", [*leaf, "strategy=sqrtn"])
+    message = str(info.value.__cause__)
+    assert "model.stages=auto found no unit" in message
+    assert "its modules: c1 (Conv2d), c2 (Conv2d), c3 (Conv2d)" in message
+    assert "or model.stages=auto" not in message  # auto is what was set
+    # remat.estimate raises the same error, not wrapped in the config group's
+    with pytest.raises(StageError, match=r"^strategy=sqrtn would wrap nothing: model.stages="
+                                         r"auto found no unit"):
+        estimate(compose_config("estimate", tmp_path / "est", [
+            *leaf, "strategy=sqrtn", "data.image_size=32", "data.batch_size=1", "device=cpu"]))

@@ -77,8 +77,9 @@ class StrategyModule(L.LightningModule):
             raise StageError(
                 f"strategy={self.strategy.name} would wrap nothing: {why}, so this run would "
                 f"checkpoint no activations. List the modules of {type(net).__name__} to "
-                f"recompute, e.g. model.stages=[<path>, ...] (globs allowed), or "
-                f"model.stages=auto; its modules: {module_listing(net)}")
+                f"recompute, e.g. model.stages=[<path>, ...] (globs allowed)"
+                + ("" if setting == AUTO else ", or model.stages=auto")
+                + f"; its modules: {module_listing(net)}")
         try:
             self.strategy_report: StrategyReport = self.strategy.apply(self.net, stages)
         except StageError as err:

@@ -145,12 +145,15 @@ def stage_setting(stages: Any) -> list[str] | str:
 
 
 def module_listing(model: nn.Module, limit: int = 12) -> str:
-    """The first ``limit`` top-level and second-level module paths of ``model`` with their
-    classes, for messages that ask the user to pick stages."""
+    """The first ``limit`` top-level and second-level module paths of ``model`` that have
+    children, with their classes (else its top-level layers), for messages that ask the user
+    to pick stages."""
     rows = [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
             if name and name.count(".") <= 1 and len(list(module.children()))]
+    if not rows:  # only layers (a network of lone convolutions): those can be listed
+        rows = [f"{name} ({type(module).__name__})" for name, module in model.named_children()]
     more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
-    return ", ".join(rows[:limit]) + more if rows else "(no module with children)"
+    return ", ".join(rows[:limit]) + more if rows else "(none: it holds no module)"
 
 
 def listed_stages(stages: Any) -> list[str]:

@@ -472,3 +472,13 @@ def test_bench_torch_compile_memory_budget_reference_row(tmp_path):
         "model=gpt_tiny", "strategies=[none,{name: torch_compile_budget, memory_budget: 0.3}]"])
     with pytest.raises(ValueError, match="list it in compile_strategies"):
         bench(cfg)
+
+
+def test_rows_that_would_wrap_nothing_are_refused_as_training_refuses_them(tmp_path):
+    # a network of lone layers: every row was none's step, printed at 1.00x without a note
+    cfg = compose_config("bench", tmp_path, [
+        "model=custom", "model.net._target_=tests.models.nets.LeafNet", "data.image_size=32",
+        "data.batch_size=1", "strategies=[none,full,sqrtn]", "device=cpu"])
+    with pytest.raises(StageError, match=r"^bench: full, sqrtn would wrap nothing: LeafNet has "
+                                         r"no stages.*its modules: c1 \(Conv2d\)"):
+        bench(cfg)

@@ -67,6 +67,7 @@ from remat.benchmarking import (
 from remat.config import config_dir
 from remat.measure import DeviceSlot, device_name
 from remat.strategies import COMPILED_REFERENCES
+from remat.strategies.stages import StageError, module_listing
 
 # image side (px) when data.image_size is null (configs/bench.yaml)
 DEFAULT_IMAGE_SIZE = 512
@@ -141,6 +142,27 @@ def _fsdp_mesh(cfg: DictConfig, device: torch.device) -> Any:
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
+def _refuse_rows_that_wrap_nothing(base: L.LightningModule, strategies: list[Any]) -> None:
+    """A network without stages (``model.stages=auto`` found no unit, or an empty list) gives
+    every row but ``none`` (and a plan or budget, which name their own units) the same step as
+    ``none``: refused as training refuses it, naming ``model.stages`` and the modules.
+
+    Raises:
+        remat.strategies.StageError: such rows were asked for.
+    """
+    if base.stage_paths:
+        return
+    # a budget row plans its own units (and says so when it finds none)
+    empty = sorted({s.name for s in strategies if s.name not in ("none", "budget")
+                    and not getattr(s, "names_own_units", False)})
+    if empty:
+        raise StageError(
+            f"bench: {', '.join(empty)} would wrap nothing: {type(base.net).__name__} has no "
+            "stages (model.stages is empty, or auto found no unit), so each row would be "
+            "none's step. List the modules to recompute, e.g. model.stages=[<path>, ...]; "
+            f"its modules: {module_listing(base.net)}")
+
+
 def bench(cfg: DictConfig) -> dict[str, Any]:
     """Run the benchmark the config describes, once per size in the size list; write
     ``bench.csv``, ``bench.json`` and ``bench.png`` (one table, a ``size`` column).
@@ -195,6 +217,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
             if size_key == "data.block_size":
                 model_cfg.block_size = size  # the model follows the data, as in training
         base = instantiate(model_cfg)  # no strategy: wraps nothing
+        _refuse_rows_that_wrap_nothing(base, [*strategies.values(), *compile_runs.values()])
         runs = planned_strategies(strategies, model_cfg, batch_size, size, precision,
                         list(base.stage_paths), f"size {size}", notes)
         size_compile_runs = planned_strategies(compile_runs, model_cfg, batch_size, size, precision,

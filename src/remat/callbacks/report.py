@@ -50,15 +50,16 @@ class RunReport(L.Callback):
             # the parts are what is alive at that moment (at an optimizer-step peak the
             # activations are gone: "activations 4 B" read as a wrong estimate); the peak
             # counts tensors, as the memory monitor measures them, not the allocator's blocks
-            parts = {k: v for k, v in self.estimate["categories"].items()
-                     if k != "total" and v >= 2**20}
+            alive = {k: v for k, v in self.estimate["categories"].items()
+                     if k != "total" and v}
+            parts = {k: v for k, v in alive.items() if v >= 2**20}
+            listed = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+            if len(parts) < len(alive):  # a small model (LoRA adapters): nothing of 1 MiB
+                listed += ("; each other part below 1 MiB" if parts
+                           else "each part below 1 MiB")
             log.info("estimated peak of one training step on %s: %s of tensors (alive at "
-                     "that moment: %s%s)", self.estimate["device"],
-                     format_bytes(self.estimate["peak_bytes"]),
-                     ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items()),
-                     "; each other part below 1 MiB" if len(parts) < sum(
-                         1 for k, v in self.estimate["categories"].items()
-                         if k != "total" and v) else "")
+                     "that moment: %s)", self.estimate["device"],
+                     format_bytes(self.estimate["peak_bytes"]), listed)
             for logger in trainer.loggers:  # self.log is not allowed in on_train_start
                 logger.log_metrics({"mem/estimate_bytes": float(self.estimate["peak_bytes"])},
                                    step=trainer.global_step)

@@ -130,20 +130,36 @@ def test_a_net_that_cannot_be_imported_names_the_key_and_pythonpath(tmp_path, ca
     assert isinstance(info.value.__cause__, InstantiationException)  # Hydra's error chained
 
 
-def test_a_network_that_is_itself_a_chain_warns_under_auto_stages(tmp_path):
-    # a stage path names a module inside the network: the blocks of a network that is an
-    # nn.Sequential are no unit, their insides are (full measured 1.43x none's peak there)
-    seq = ["model=custom", "model.net._target_=tests.models.nets.sequential_net"]
-    with pytest.warns(UserWarning, match=r"model.net is itself a chain \(Sequential of 5 "
-                                         r"modules\).*chains inside its members \(0, 1, 2, 3\)"
-                                         r".*strategy=budget"):
-        built(tmp_path / "a", [*seq, "strategy=full"])
-    import warnings
+def test_a_network_that_is_itself_a_chain_is_the_stage_under_auto(tmp_path):
+    # a network that is one nn.Sequential of blocks is that chain: auto took the chains inside
+    # its blocks (lone conv, norm, activation), where full measured 1.43x none's peak
+    from remat.measure import PeakMemory
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        built(tmp_path / "b", [*seq, "strategy=none"])  # nothing is wrapped: no warning
-        built(tmp_path / "c", [*PLAIN, "strategy=full"])  # a chain inside the net: none
+    seq = ["model=custom", "model.net._target_=tests.models.nets.sequential_net",
+           "+model.net.depth=6", "+model.net.width=16"]
+    peaks, grads = {}, {}
+    for name in ("none", "full", "sqrtn"):
+        torch.manual_seed(0)
+        model = built(tmp_path / name, [*seq, f"strategy={name}"])
+        assert model.stage_paths == [""]
+        batch = model.example_batch(4, 64, torch.Generator().manual_seed(1))
+        model.train()
+        with PeakMemory("cpu", modules=[model]) as peak:
+            model.training_loss(batch).backward()
+        peaks[name] = peak.peak_bytes
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+        if name != "none":
+            assert model.strategy_report.wrapped[:2] == ["0", "1"]
+            assert model.strategy_report.segments[""][0][0] == 0
+    assert peaks["full"] < 0.8 * peaks["none"] and peaks["sqrtn"] < 0.8 * peaks["none"], peaks
+    for name in ("full", "sqrtn"):
+        torch.testing.assert_close(grads[name], grads["none"], rtol=1e-5, atol=1e-6)
+    # the network named as a stage by hand, and beside another stage (it holds them all)
+    assert built(tmp_path / "hand", [*seq, "strategy=sqrtn", 'model.stages=[""]']
+                 ).strategy_report.stages == [""]
+    with pytest.raises(InstantiationException, match=r"is the whole network, which holds "
+                                                     r"every other stage \(0\)"):
+        built(tmp_path / "both", [*seq, "strategy=sqrtn", 'model.stages=["", "0"]'])
 
 
 def test_a_network_of_layers_only_is_refused_listing_its_layers_in_train_and_estimate(tmp_path):

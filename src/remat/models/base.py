@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,8 +16,13 @@ from remat.strategies import (
     StageError,
     StrategyReport,
 )
-from remat.strategies.segmented import CHAIN_TYPES
-from remat.strategies.stages import AUTO, discover_units, module_listing, stage_setting
+from remat.strategies.stages import (
+    AUTO,
+    ROOT,
+    discover_units,
+    module_listing,
+    stage_setting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +41,10 @@ class StrategyModule(L.LightningModule):
         """Keep ``net`` and apply ``strategy`` (default ``none``) to its ``stages``.
 
         ``stages`` is a list of dotted paths (globs allowed); one path given as a bare string
-        is one stage; ``"auto"`` is the units :func:`remat.strategies.stages.discover_units`
-        finds (outermost chains and modules with children), for a network nobody listed
+        is one stage; ``""`` is the network itself; ``"auto"`` is the network itself when it
+        is an ``nn.Sequential`` of several blocks, else the units
+        :func:`remat.strategies.stages.discover_units` finds (outermost chains and modules
+        with children), for a network nobody listed
         stages for. A strategy that names its own units (a plan) ignores ``stages``.
 
         Raises:
@@ -55,21 +61,17 @@ class StrategyModule(L.LightningModule):
             setting = stage_setting(stages)
         except StageError as err:
             raise StageError(f"model.stages: {err}") from err
-        stages = discover_units(net) if setting == AUTO else setting
+        if setting == AUTO and isinstance(net, nn.Sequential) and len(net) > 1:
+            # the network is the chain of blocks (stage ROOT): the chains inside its blocks,
+            # the outermost ones below the root, recomputed lone layers (a trial's Sequential
+            # of six conv blocks: full 1.43x none's peak, sqrtn 1.00x)
+            stages = [ROOT]
+        else:
+            stages = discover_units(net) if setting == AUTO else setting
         if setting == AUTO:
-            log.info("model.stages=auto: %s", ", ".join(stages) or "no unit found")
-            if isinstance(net, CHAIN_TYPES) and len(net) > 1 and self.strategy.name != "none":
-                # a stage path names a module inside the network, not the network itself
-                # (a trial's nn.Sequential of six conv blocks: full 1.43x none's peak)
-                warnings.warn(
-                    f"model.net is itself a chain ({type(net).__name__} of {len(net)} "
-                    "modules), which no stage path can name: model.stages=auto takes the "
-                    f"chains inside its members ({', '.join(stages[:6]) or 'none'}), where "
-                    f"strategy={self.strategy.name} may save little or raise the peak. Hold "
-                    "the chain in an attribute of your network (self.blocks = "
-                    "nn.Sequential(...), then model.stages=[blocks]), or use "
-                    "strategy=budget, which plans each unit and keeps what does not pay",
-                    UserWarning, stacklevel=2)
+            log.info("model.stages=auto: %s", ", ".join(
+                "the network itself (an nn.Sequential)" if s == ROOT else s for s in stages)
+                or "no unit found")
         self.stage_paths: list[str] = list(stages)  # FSDP units follow them too
         if not stages and self.strategy.name != "none" and not own_units:
             why = ("model.stages=auto found no unit in it (no chain and no module with "

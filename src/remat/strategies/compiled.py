@@ -74,7 +74,7 @@ from remat import _compat
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
 from remat.strategies.recompute import ChainPlan
-from remat.strategies.stages import StageError
+from remat.strategies.stages import StageError, child_path
 
 
 def _check_budget(budget: Any) -> float:
@@ -293,7 +293,7 @@ class CompileBudget(CheckpointStrategy):
         ``nn.ModuleDict``, which have no forward of their own). Compilation is lazy: each
         stage compiles at its first training call with grad enabled."""
         self._report = report
-        targets = ([(f"{path}.{name}", m) for name, m in (
+        targets = ([(child_path(path, name), m) for name, m in (
             module.items() if isinstance(module, nn.ModuleDict) else enumerate(module))]
             if isinstance(module, nn.ModuleList | nn.ModuleDict) else [(path, module)])
         # the members of a list are one stage for the bypass check (a parent may skip some)

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
 from remat.strategies.segments import sqrt_segments
-from remat.strategies.stages import StageError, resolve_stages
+from remat.strategies.stages import StageError, child_path, resolve_stages
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -74,7 +74,7 @@ class TorchCheckpointSequential(CheckpointStrategy):
     def wrap_stage(self, path: str, module: torch.nn.Module, report: StrategyReport) -> None:
         wrapping.install(module, wrapping.Wrap(self, path, self.run))
         report.segments[path] = sqrt_segments(len(module))
-        report.wrapped.extend(f"{path}.{i}" for i in range(len(module)))
+        report.wrapped.extend(child_path(path, i) for i in range(len(module)))
 
     def run(self, module: torch.nn.Sequential, wrap: wrapping.Wrap, forward, args: tuple,
             kwargs: dict):

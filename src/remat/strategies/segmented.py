@@ -25,6 +25,7 @@ from remat import _compat
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
 from remat.strategies.recompute import ChainPlan, refuse_sync_batchnorm, run_recomputed
+from remat.strategies.stages import child_path
 
 CHAIN_TYPES = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -74,10 +75,10 @@ class RecomputeStrategy(CheckpointStrategy):
             plan = ChainPlan(path, bounds)
             for name, member, indices in wrapping.distinct_members(members):
                 wrapping.install(member, wrapping.Wrap(
-                    self, f"{path}.{name}", self.run, chain=plan, index=indices[0],
+                    self, child_path(path, name), self.run, chain=plan, index=indices[0],
                     indices=indices if len(indices) > 1 else ()))
             report.segments[path] = bounds
-            report.wrapped.extend(f"{path}.{name}" for name, _ in members)
+            report.wrapped.extend(child_path(path, name) for name, _ in members)
         else:
             wrapping.install(module, wrapping.Wrap(self, path, self.run))
             report.segments[path] = [(0, 1)]

@@ -11,6 +11,14 @@ from torch import nn
 
 #: ``model.stages=auto``: the units :func:`discover_units` finds
 AUTO = "auto"
+#: the stage path of the network itself (``model.stages=[""]``; torch's ``named_modules``
+#: name for the root): a network that is one ``nn.Sequential`` of blocks is that chain
+ROOT = ""
+
+
+def child_path(stage: str, name: str | int) -> str:
+    """The dotted path of member ``name`` of the stage at ``stage`` (the root's: ``name``)."""
+    return f"{stage}.{name}" if stage else str(name)
 
 
 class StageError(ValueError):
@@ -61,6 +69,12 @@ def resolve_stages(model: nn.Module, stages: Iterable[str]) -> list[tuple[str, n
     named = dict(model.named_modules())
     named.pop("", None)
     order = {name: i for i, name in enumerate(named)}
+    if ROOT in stages:  # the network itself (a network that is one nn.Sequential)
+        if len(stages) > 1:
+            raise StageError(f"stage {ROOT!r} is the whole network, which holds every other "
+                             f"stage ({', '.join(s for s in stages if s != ROOT)}); list one "
+                             "or the other")
+        return [(ROOT, model)]
     found: dict[str, nn.Module] = {}
     for pattern in stages:
         if not isinstance(pattern, str) or not pattern:

@@ -67,7 +67,7 @@ from remat.benchmarking import (
 from remat.config import config_dir
 from remat.measure import DeviceSlot, device_name
 from remat.strategies import COMPILED_REFERENCES
-from remat.strategies.stages import StageError, module_listing
+from remat.strategies.stages import nothing_to_wrap
 
 # image side (px) when data.image_size is null (configs/bench.yaml)
 DEFAULT_IMAGE_SIZE = 512
@@ -155,12 +155,10 @@ def _refuse_rows_that_wrap_nothing(base: L.LightningModule, strategies: list[Any
     # a budget row plans its own units (and says so when it finds none)
     empty = sorted({s.name for s in strategies if s.name not in ("none", "budget")
                     and not getattr(s, "names_own_units", False)})
-    if empty:
-        raise StageError(
-            f"bench: {', '.join(empty)} would wrap nothing: {type(base.net).__name__} has no "
-            "stages (model.stages is empty, or auto found no unit), so each row would be "
-            "none's step. List the modules to recompute, e.g. model.stages=[<path>, ...]; "
-            f"its modules: {module_listing(base.net)}")
+    if empty:  # each such row would be none's step
+        raise nothing_to_wrap(f"bench: {', '.join(empty)}", base.net,
+                              f"{type(base.net).__name__} has no stages (model.stages is "
+                              "empty, or auto found no unit)", suggest_auto=False)
 
 
 def bench(cfg: DictConfig) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from remat.strategies.stages import (
     AUTO,
     ROOT,
     discover_units,
-    module_listing,
+    nothing_to_wrap,
     stage_setting,
 )
 
@@ -76,12 +76,8 @@ class StrategyModule(L.LightningModule):
         if not stages and self.strategy.name != "none" and not own_units:
             why = ("model.stages=auto found no unit in it (no chain and no module with "
                    "children)" if setting == AUTO else "model.stages is empty")
-            raise StageError(
-                f"strategy={self.strategy.name} would wrap nothing: {why}, so this run would "
-                f"checkpoint no activations. List the modules of {type(net).__name__} to "
-                f"recompute, e.g. model.stages=[<path>, ...] (globs allowed)"
-                + ("" if setting == AUTO else ", or model.stages=auto")
-                + f"; its modules: {module_listing(net)}")
+            raise nothing_to_wrap(f"strategy={self.strategy.name}", net, why,
+                                  suggest_auto=setting != AUTO)
         try:
             self.strategy_report: StrategyReport = self.strategy.apply(self.net, stages)
         except StageError as err:

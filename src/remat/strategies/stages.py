@@ -170,6 +170,18 @@ def module_listing(model: nn.Module, limit: int = 12) -> str:
     return ", ".join(rows[:limit]) + more if rows else "(none: it holds no module)"
 
 
+def nothing_to_wrap(who: str, net: nn.Module, why: str, suggest_auto: bool = True
+                    ) -> StageError:
+    """The error for strategies that would wrap nothing in ``net``: ``who`` (e.g.
+    ``strategy=sqrtn``) and ``why`` (``model.stages is empty``), the modules to pick from and,
+    with ``suggest_auto``, ``model.stages=auto``."""
+    return StageError(
+        f"{who} would wrap nothing: {why}, so this run would checkpoint no activations. List "
+        f"the modules of {type(net).__name__} to recompute, e.g. model.stages=[<path>, ...] "
+        "(globs allowed)" + (", or model.stages=auto" if suggest_auto else "")
+        + f"; its modules: {module_listing(net)}")
+
+
 def listed_stages(stages: Any) -> list[str]:
     """The stage paths a ``model.stages`` value lists: none for :data:`AUTO` (the units are
     found on the built network, see :func:`discover_units`), else :func:`as_stage_list`."""

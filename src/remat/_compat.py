@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -218,6 +219,83 @@ sac_storage_key = _checkpoint._sac_storage_key
 def sac_cache(forward_mode: Any) -> dict:
     """The cache a selective checkpoint's forward context filled (layout above)."""
     return forward_mode.storage
+
+
+# --- one checkpointed region of several calls under torch.compile ---------------------------
+# torch 2.13-2.14: dynamo turns each checkpoint(...) call into a ``tag_activation_checkpoint``
+# higher-order op; when AOTAutograd traces it, ``tag_activation_checkpoint_impl``
+# (torch/_higher_order_ops/wrap.py) draws a new ``ac_graph_id`` per call and sets it on the
+# forward context of the SAC pair (``_CachingTorchDispatchMode.ac_graph_id``), which tags
+# every node of the call with it. The min-cut partitioner then saves every value passed
+# from one checkpointed call to a later one (``cleanup_recompute_tags``,
+# torch/_functorch/partitioners.py: "two consecutive checkpointed blocks ... stash the
+# tensor at the boundary"): a segment of k blocks, checkpointed call by call, keeps all k
+# inputs compiled where it keeps one eager. The forward context below keeps the id of the
+# segment's first call for the later calls of the same segment, so the partitioner sees
+# one region. Retired by a public way to checkpoint several calls as one region under
+# dynamo.
+
+_SEGMENT_IDS: dict[str, tuple[int, Any]] = {}
+
+
+class _SegmentCachingMode(_checkpoint._CachingTorchDispatchMode):
+    """A SAC forward context whose ``ac_graph_id`` is its segment's (see above)."""
+
+    @property
+    def ac_graph_id(self) -> Any:
+        return self.__dict__.get("_segment_graph_id")
+
+    @ac_graph_id.setter
+    def ac_graph_id(self, value: Any) -> None:
+        key, position = self.__dict__.get("_segment", (None, 0))
+        if key is not None and value is not None:
+            last = _SEGMENT_IDS.get(key)
+            if last is not None and position > last[0]:
+                value = last[1]  # a later call of the segment: the segment's region
+            _SEGMENT_IDS[key] = (position, value)
+        self.__dict__["_segment_graph_id"] = value
+
+
+class _ContextFnNotice(logging.Filter):
+    """Drops torch's one-time notice that a ``context_fn`` reached a checkpoint under
+    ``torch.compile`` ("make sure the checkpointed region does not contain in-place ops"):
+    remat passes one for every segment (above), and a plain checkpoint goes through the
+    same SAC path in torch (``_always_prefer_recompute``), so the notice would be printed
+    for every compiled model with a recomputing strategy."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Detected that context_fn is passed" not in str(record.msg)
+
+
+def quiet_context_fn_notice() -> None:
+    """Install :class:`_ContextFnNotice` on torch's ``torch._higher_order_ops.wrap``
+    logger (once)."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _ContextFnNotice) for f in logger.filters):
+        logger.addFilter(_ContextFnNotice())
+
+
+def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return _checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def segment_contexts(context_fn: Callable[[], tuple] | None, segment: str,
+                     position: int) -> tuple:
+    """``context_fn`` for one call of a checkpointed segment under ``torch.compile``: the
+    SAC pair of ``context_fn`` (``None``: recompute everything, what dynamo uses for a
+    plain checkpoint), its forward context tagging the call's nodes with the id of
+    ``segment``'s region (the first call's, for calls at later ``position`` s in one
+    trace). Pass it as ``functools.partial(segment_contexts, context_fn, segment,
+    position)``: dynamo takes a partial of constants as ``context_fn``."""
+    fn = context_fn if context_fn is not None else functools.partial(
+        _checkpoint.create_selective_checkpoint_contexts, _prefer_recompute)
+    forward_mode, recompute_mode = fn()
+    if type(forward_mode) is _checkpoint._CachingTorchDispatchMode:
+        forward_mode.__class__ = _SegmentCachingMode
+        forward_mode.__dict__["_segment_graph_id"] = forward_mode.__dict__.pop(
+            "ac_graph_id", None)
+        forward_mode.__dict__["_segment"] = (segment, position)
+    return forward_mode, recompute_mode
 
 
 def _current_user_hooks() -> Any:

@@ -355,3 +355,27 @@ def test_inductor_dropout_masks_differ_from_eager_unless_fallback_random():
     with torch._inductor.config.patch(fallback_random=True):  # for forward and backward
         got = train_step(model, x)
     assert_same_function(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,overrides,segments", [
+    ("sqrtn", {}, 3), ("every_k", {"k": 3}, 3), ("every_k", {"k": 9}, 1), ("full", {}, 9)])
+def test_compiled_segment_keeps_one_input_as_eager(strategy, overrides, segments):
+    """Under torch.compile(model) a segment of several blocks is one region for the
+    partitioner: it keeps the segment's input only, as eager does, not every block's
+    (torch's partitioner keeps the values passed between two checkpointed calls)."""
+    torch._dynamo.reset()
+    base = Stack(n=9, p=0.0)
+    x = torch.randn(32, WIDTH)
+    model = copy.deepcopy(base).train()
+    build_strategy(strategy, **overrides).apply(model, ["blocks"])
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(x).sum().backward()  # compile first, then count what the compiled graph keeps
+    one = x.numel() * x.element_size()
+    # the stem keeps x; each segment keeps its input
+    assert _saved_activation_bytes(compiled, x) == (1 + segments) * one
+    ref = copy.deepcopy(base).train()
+    ref(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    compiled(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)

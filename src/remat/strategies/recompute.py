@@ -75,6 +75,8 @@ _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 _CACHE_ARGS = ("cache", "past_key_value", "past_key_values", "layer_past")
 
 _local = threading.local()
+# every compiled segment passes a context_fn to checkpoint (_compile_context_fn)
+_compat.quiet_context_fn_notice()
 
 
 class RecomputeError(_ckpt.CheckpointError):
@@ -126,19 +128,27 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-@functools.cache
+_POSITIONAL_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+# under torch.compile dynamo calls it while tracing and keeps the names as constants (a
+# functools.cache wrapper would be traced through, with a warning per process)
+@torch.compiler.assume_constant_result
 def _positional_names(cls: type) -> tuple[str, ...]:
     """Names of the positional parameters of ``cls.forward`` after ``self``."""
-    try:
-        params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return ()
-    names = []
-    for p in params:
-        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            break
-        names.append(p.name)
-    return tuple(names)
+    names = _POSITIONAL_NAMES.get(cls)
+    if names is None:
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        except (TypeError, ValueError):
+            params = []
+        found: list[str] = []
+        for p in params:
+            if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                break
+            found.append(p.name)
+        names = _POSITIONAL_NAMES[cls] = tuple(found)
+    return names
 
 
 def _is_cache_object(value: Any) -> bool:
@@ -627,6 +637,23 @@ def _checkpoint_call(forward: Callable[..., Any], args: tuple, kwargs: dict,
     return _ckpt.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
 
+def _compile_context_fn(strategy: Any, wrap: Any) -> Callable[[], tuple] | None:
+    """The ``context_fn`` of one call under ``torch.compile``: the strategy's, and for a
+    member of a segment of several blocks, one that makes the segment's calls one region
+    for the partitioner (:func:`remat._compat.segment_contexts`), which would otherwise
+    keep every block's input, as ``full`` does."""
+    context_fn = strategy.compile_context_fn()
+    chain = wrap.chain
+    if chain is None or wrap.indices:
+        return context_fn
+    segment = chain.segment_of[wrap.index]
+    start, end = chain.bounds[segment]
+    if end - start == 1:
+        return context_fn
+    return functools.partial(_compat.segment_contexts, context_fn,
+                             f"{id(chain)}:{segment}", wrap.index)
+
+
 def run_recomputed(strategy: Any, module: nn.Module, wrap: Any, forward: Callable[..., Any],
                    args: tuple, kwargs: dict) -> Any:
     """The runner of every recomputing strategy (``full``, ``sqrtn``, ``every_k``,
@@ -637,7 +664,7 @@ def run_recomputed(strategy: Any, module: nn.Module, wrap: Any, forward: Callabl
     """
     args, kwargs = drop_cache(module, wrap.path, args, kwargs)
     if torch.compiler.is_compiling():
-        return _checkpoint_call(forward, args, kwargs, strategy.compile_context_fn())
+        return _checkpoint_call(forward, args, kwargs, _compile_context_fn(strategy, wrap))
     if _inside_checkpoint():
         return forward(*args, **kwargs)
     wrap.calls += 1

@@ -482,3 +482,57 @@ def test_rows_that_would_wrap_nothing_are_refused_as_training_refuses_them(tmp_p
     with pytest.raises(StageError, match=r"^bench: full, sqrtn would wrap nothing: LeafNet has "
                                          r"no stages.*its modules: c1 \(Conv2d\)"):
         bench(cfg)
+
+
+def test_compile_options_are_checked_inductor_settings(tmp_path):
+    from remat.benchmarking import check_compile_options
+
+    assert check_compile_options({"layout_optimization": False}, "inductor") == {
+        "layout_optimization": False}
+    assert check_compile_options(None, "aot_eager") == {}
+    with pytest.raises(ValueError, match=r"compile_options.layout_optimisation: not an "
+                                         r"inductor setting.*layout_optimization"):
+        check_compile_options({"layout_optimisation": False}, "inductor")
+    with pytest.raises(ValueError, match="compile_backend='aot_eager' takes none"):
+        check_compile_options({"layout_optimization": False}, "aot_eager")
+    with pytest.raises(ValueError, match="compile_options must be a mapping"):
+        check_compile_options(["layout_optimization"], "inductor")
+    cfg = compose_config("bench", tmp_path, [
+        "model=gpt_tiny", "compiled=true", "compile_backend=aot_eager", "device=cpu",
+        "+compile_options.layout_optimization=false"])
+    with pytest.raises(ValueError, match="takes none"):
+        bench(cfg)
+
+
+@pytest.mark.slow  # an inductor compile of forward and backward: make test-all
+def test_inductor_layout_optimization_keeps_a_copy_of_each_conv_weight_unless_off():
+    """What compile_options={layout_optimization: false} is for: inductor runs convolutions
+    channels-last and saves a channels-last copy of each (contiguous) weight for the
+    backward; with the option off (forward and backward compiles alike) it saves none."""
+    from remat.benchmarking import RowBackend, compile_row
+
+    def saved_weight_copies(options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1),
+                                  torch.nn.ReLU(), torch.nn.Conv2d(64, 64, 3, padding=1))
+        backend = RowBackend("inductor", options=options)
+        compile_row(net, backend)
+        x = torch.randn(1, 3, 16, 16)
+        net(x).sum().backward()
+        params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+        shapes = []
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = net(x)
+        out.sum().backward()
+        assert backend.graphs == 1
+        return [s for s in shapes if s == (64, 64, 3, 3)]
+
+    assert saved_weight_copies({}) == [(64, 64, 3, 3)]
+    assert saved_weight_copies({"layout_optimization": False}) == []

@@ -357,6 +357,22 @@ def dynamo_break_counts() -> dict[str, int]:
     return out
 
 
+def inductor_backend(options: dict[str, Any]) -> Callable:
+    """Inductor as a ``torch.compile`` backend with its config ``options`` patched for the
+    forward and the backward compile (what ``torch.compile(backend="inductor",
+    options=...)`` builds; ``compile_fx``'s ``config_patches``)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return functools.partial(compile_fx, config_patches=dict(options))
+
+
+def inductor_config_names() -> set[str]:
+    """The setting names of inductor's config module (``torch._inductor.config``)."""
+    import torch._inductor.config
+
+    return set(torch._inductor.config.get_config_copy())
+
+
 def functorch_config() -> Any:
     """The AOT autograd config module (``activation_memory_budget``, ``joint_custom_pass``,
     ``patch``)."""

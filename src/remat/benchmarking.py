@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import csv
+import difflib
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,9 @@ def _first_line(err: BaseException) -> str:
 class RowBackend:
     """The ``torch.compile`` backend of one compiled row: the registered backend
     ``backend`` (``inductor``, ``aot_eager``, ...), under the partitioner's
-    ``activation_memory_budget`` when one is given, counting the graphs it compiles.
+    ``activation_memory_budget`` when one is given, with inductor's config ``options``
+    (what ``torch.compile(options=...)`` takes; inductor only, checked by
+    :func:`check_compile_options`), counting the graphs it compiles.
 
     One object per row: dynamo checks a cache entry against the backend it was compiled
     with, so a row never reuses another row's graphs, and ``graphs`` says whether the row
@@ -118,10 +121,13 @@ class RowBackend:
     recompile limit; see :func:`compile_row`).
     """
 
-    def __init__(self, backend: str, memory_budget: float | None = None) -> None:
+    def __init__(self, backend: str, memory_budget: float | None = None,
+                 options: dict[str, Any] | None = None) -> None:
         self.backend = backend
         self.memory_budget = memory_budget
-        self.inner = _compat.lookup_backend(backend)
+        self.options = dict(options or {})
+        self.inner = (_compat.inductor_backend(self.options) if self.options
+                      else _compat.lookup_backend(backend))
         self.graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -130,6 +136,34 @@ class RowBackend:
             return self.inner(gm, example_inputs)
         with _compat.functorch_config().patch(activation_memory_budget=self.memory_budget):
             return self.inner(gm, example_inputs)
+
+
+def check_compile_options(options: Any, backend: str, key: str = "compile_options"
+                          ) -> dict[str, Any]:
+    """``options`` as a plain dict of inductor config settings (``torch.compile(options=
+    ...)``'s keys, e.g. ``{layout_optimization: false}``), checked.
+
+    Raises:
+        ValueError: not a mapping, a backend other than ``inductor`` with options, or a key
+            inductor's config does not have (names ``<key>.<name>`` and close names).
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{key} must be a mapping of inductor settings, e.g. "
+                         f"{{layout_optimization: false}}; got {options!r}")
+    options = dict(options)
+    if options and backend != "inductor":
+        raise ValueError(f"{key} are inductor settings; compile_backend={backend!r} takes "
+                         "none (use compile_backend=inductor or drop them)")
+    known = _compat.inductor_config_names()
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), sorted(known), n=3)
+            hint = f"; close: {', '.join(close)}" if close else ""
+            raise ValueError(f"{key}.{name}: not an inductor setting "
+                             f"(torch._inductor.config){hint}")
+    return options
 
 
 def compile_row(net: torch.nn.Module, backend: Callable) -> None:
@@ -163,7 +197,8 @@ def _prepare(base: L.LightningModule, stages: Sequence[str],
              strategies: dict[str, CheckpointStrategy], batch: dict[str, torch.Tensor],
              device: torch.device, precision: str, seed: int, slot: DeviceSlot,
              compile_backend: str | None = None, notes: list[str] | None = None,
-             mesh: Any = None, peak_by: str = "auto") -> _Group:
+             mesh: Any = None, peak_by: str = "auto",
+             compile_options: dict[str, Any] | None = None) -> _Group:
     """Wrap (and compile) a copy of ``base`` per strategy, then run each row's untimed
     steps: one for its gradients (and FLOPs, eager rows) under ``seed``, one for its peak.
 
@@ -183,7 +218,7 @@ def _prepare(base: L.LightningModule, stages: Sequence[str],
             shard(model.net, mesh, report, stages=list(stages))
         if compile_backend is not None:  # in place: parameter names unchanged
             backends[name] = RowBackend(compile_backend, getattr(
-                strategy, "activation_memory_budget", None))
+                strategy, "activation_memory_budget", None), compile_options)
             compile_row(model.net, backends[name])
         models[name] = model
 
@@ -281,9 +316,11 @@ def measure_groups(base: L.LightningModule, stages: Sequence[str],
                     batch: dict[str, torch.Tensor], device: torch.device, precision: str,
                     warmup: int, steps: int, seed: int, slot: DeviceSlot,
                     compile_backend: str | None = None, notes: list[str] | None = None,
-                    mesh: Any = None, peak_by: str = "auto") -> list[BenchRow]:
+                    mesh: Any = None, peak_by: str = "auto",
+                    compile_options: dict[str, Any] | None = None) -> list[BenchRow]:
     """The eager rows, then (with ``compile_backend`` and ``compile_strategies``) the rows
-    compiled with it, all timed interleaved in one loop (:func:`_time`). Eager rows'
+    compiled with it (and inductor's ``compile_options``), all timed interleaved in one
+    loop (:func:`_time`). Eager rows'
     ratios are to eager ``none``, compiled rows' to compiled ``none``; every row's
     ``eager_peak_ratio``/``eager_time_ratio`` are to eager ``none``. Compiled rows'
     gradients are compared with eager ``none``'s."""
@@ -291,7 +328,7 @@ def measure_groups(base: L.LightningModule, stages: Sequence[str],
     groups = [_prepare(base, stages, strategies, *args, mesh=mesh, peak_by=peak_by)]
     if compile_backend is not None and compile_strategies:
         groups.append(_prepare(base, stages, compile_strategies, *args, compile_backend,
-                               notes, mesh, peak_by))
+                               notes, mesh, peak_by, compile_options))
     _time(groups, batch, device, precision, warmup, steps, slot)
     eager = groups[0]
     rows = _rows(eager, precision)

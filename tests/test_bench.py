@@ -485,7 +485,7 @@ def test_rows_that_would_wrap_nothing_are_refused_as_training_refuses_them(tmp_p
 
 
 def test_compile_options_are_checked_inductor_settings(tmp_path):
-    from remat.benchmarking import check_compile_options
+    from remat.compiling import check_compile_options
 
     assert check_compile_options({"layout_optimization": False}, "inductor") == {
         "layout_optimization": False}
@@ -509,7 +509,7 @@ def test_inductor_layout_optimization_keeps_a_copy_of_each_conv_weight_unless_of
     """What compile_options={layout_optimization: false} is for: inductor runs convolutions
     channels-last and saves a channels-last copy of each (contiguous) weight for the
     backward; with the option off (forward and backward compiles alike) it saves none."""
-    from remat.benchmarking import RowBackend, compile_row
+    from remat.compiling import RowBackend, compile_row
 
     def saved_weight_copies(options):
         torch._dynamo.reset()

@@ -62,7 +62,6 @@ from remat import run_shape
 from remat.benchmarking import (
     BenchRow,
     build_strategies,
-    check_compile_options,
     format_table,
     measure_groups,
     planned_strategies,
@@ -70,6 +69,7 @@ from remat.benchmarking import (
     reference_rows,
     write_csv,
 )
+from remat.compiling import check_compile_options
 from remat.config import config_dir
 from remat.measure import DeviceSlot, device_name
 from remat.strategies import COMPILED_REFERENCES

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import copy
 import csv
-import difflib
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat import _compat
+from remat.compiling import RowBackend, compile_row
 from remat.measure import (
     TOLERANCES,
     DeviceSlot,
@@ -43,7 +42,6 @@ from remat.strategies import (
     StageError,
     build_strategy,
 )
-from remat.strategies.compiled import trampoline
 
 PEAK_METHODS = {"allocator": "cuda allocator", "memtracker": "MemTracker",
                 "profiler": "torch.profiler"}
@@ -106,77 +104,6 @@ def _peak_meter(device: torch.device, model: torch.nn.Module, profiler: bool
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
-
-
-class RowBackend:
-    """The ``torch.compile`` backend of one compiled row: the registered backend
-    ``backend`` (``inductor``, ``aot_eager``, ...), under the partitioner's
-    ``activation_memory_budget`` when one is given, with inductor's config ``options``
-    (what ``torch.compile(options=...)`` takes; inductor only, checked by
-    :func:`check_compile_options`), counting the graphs it compiles.
-
-    One object per row: dynamo checks a cache entry against the backend it was compiled
-    with, so a row never reuses another row's graphs, and ``graphs`` says whether the row
-    was compiled at all (dynamo may run a frame eagerly with only a warning, e.g. past its
-    recompile limit; see :func:`compile_row`).
-    """
-
-    def __init__(self, backend: str, memory_budget: float | None = None,
-                 options: dict[str, Any] | None = None) -> None:
-        self.backend = backend
-        self.memory_budget = memory_budget
-        self.options = dict(options or {})
-        self.inner = (_compat.inductor_backend(self.options) if self.options
-                      else _compat.lookup_backend(backend))
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        self.graphs += 1
-        if self.memory_budget is None:
-            return self.inner(gm, example_inputs)
-        with _compat.functorch_config().patch(activation_memory_budget=self.memory_budget):
-            return self.inner(gm, example_inputs)
-
-
-def check_compile_options(options: Any, backend: str, key: str = "compile_options"
-                          ) -> dict[str, Any]:
-    """``options`` as a plain dict of inductor config settings (``torch.compile(options=
-    ...)``'s keys, e.g. ``{layout_optimization: false}``), checked.
-
-    Raises:
-        ValueError: not a mapping, a backend other than ``inductor`` with options, or a key
-            inductor's config does not have (names ``<key>.<name>`` and close names).
-    """
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise ValueError(f"{key} must be a mapping of inductor settings, e.g. "
-                         f"{{layout_optimization: false}}; got {options!r}")
-    options = dict(options)
-    if options and backend != "inductor":
-        raise ValueError(f"{key} are inductor settings; compile_backend={backend!r} takes "
-                         "none (use compile_backend=inductor or drop them)")
-    known = _compat.inductor_config_names()
-    for name in options:
-        if name not in known:
-            close = difflib.get_close_matches(str(name), sorted(known), n=3)
-            hint = f"; close: {', '.join(close)}" if close else ""
-            raise ValueError(f"{key}.{name}: not an inductor setting "
-                             f"(torch._inductor.config){hint}")
-    return options
-
-
-def compile_row(net: torch.nn.Module, backend: Callable) -> None:
-    """``net.compile(backend=backend)`` (in place: parameter names, so the gradient
-    comparison, stay) with a code object of the row's own. ``nn.Module.compile`` compiles
-    ``Module._call_impl``, one code object shared by every module, and dynamo keeps at most
-    ``torch._dynamo.config.recompile_limit`` (8) cache entries per code object, counting
-    those of earlier rows (and of models already gone): past them a row would run eagerly,
-    with only a warning. A trampoline per row (:func:`remat.strategies.compiled.
-    trampoline`, as the ``compile`` strategy's stages have) gives each row a cache of its
-    own."""
-    _compat.set_compiled_call_impl(
-        net, torch.compile(trampoline(_compat.call_impl(net)), backend=backend))
 
 
 @dataclass

@@ -34,13 +34,15 @@ def config_dir() -> Path:
 
 
 def check_top_level(cfg: DictConfig) -> None:
-    """Validate ``seed``, ``precision`` and ``accumulate_grad_batches`` before anything is
-    built.
+    """Validate ``seed``, ``precision``, ``accumulate_grad_batches``, ``compile`` and
+    ``compile_options`` before anything is built.
 
     Raises:
         ValueError: ``seed`` not an integer (or null); precision not one of
             :data:`PRECISIONS`; ``accumulate_grad_batches`` not an int >= 1;
-            ``16-mixed`` asked for without a CUDA device.
+            ``16-mixed`` asked for without a CUDA device; ``compile`` not a boolean, or
+            true with ``strategy=compile`` (which compiles its stages itself); bad
+            ``compile_options`` (:func:`remat.compiling.check_compile_options`).
     """
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -53,6 +55,19 @@ def check_top_level(cfg: DictConfig) -> None:
             f"accumulate_grad_batches must be an integer >= 1 (batches per optimizer step), "
             f"got {acc!r}"
         )
+    compiled = cfg.get("compile", False)
+    if not isinstance(compiled, bool):
+        raise ValueError(f"compile must be true or false (torch.compile the network after "
+                         f"the strategy), got {compiled!r}")
+    if compiled:
+        from remat.compiling import training_options
+
+        if str(cfg.get("strategy", {}).get("_target_", "")).endswith(".CompileBudget"):
+            raise ValueError("compile=true with strategy=compile: that strategy compiles its "
+                             "stages itself under strategy.budget; use one or the other")
+        options = cfg.get("compile_options")
+        training_options(OmegaConf.to_container(options) if isinstance(options, DictConfig)
+                         else options, str(cfg.get("precision")))
 
 
 def per_step_batch(effective: int, accumulation: int) -> int:

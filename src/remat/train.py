@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from remat.callbacks import RunSummary, failure_summary
 from remat.callbacks.run_dir import run_dir_claimed
+from remat.compiling import training_options
 from remat.config import check_top_level, config_dir
 from remat.errors import mark_in_loop, run_entry
 from remat.models.checks import check_checkpoint_fits, check_model_fits_data, check_monitor
@@ -99,6 +100,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 datamodule.setup("fit")  # layout, splits, data check: before Lightning runs
                 ckpt_path, ckpt = checkpoint_to_resume(cfg)
                 model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
+                if cfg.get("compile", False):
+                    model.compile_net(training_options(cfg.get("compile_options"),
+                                                       str(cfg.precision)))
                 check_model_fits_data(model, datamodule, hydra_choice("model"),
                                       hydra_choice("data"))
                 check_monitor(cfg, model)

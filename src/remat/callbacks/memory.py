@@ -7,7 +7,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from remat.measure import PeakMemory
+from remat.measure import PeakMemory, ProfilerPeakMemory
 
 
 def _strategy_of(pl_module: L.LightningModule) -> dict[str, Any]:
@@ -43,7 +43,10 @@ class PeakMemoryMonitor(L.Callback):
     ``optimizer.step(closure)``, so MemTracker would file activations under optimizer state
     (the per-category split is given by :mod:`remat.estimate`). On CPU with the ``compile``
     strategy nothing is measured (MemTracker and torch.compile cannot run together):
-    ``peak_bytes`` stays ``None`` and ``skipped_reason`` says why.
+    ``peak_bytes`` stays ``None`` and ``skipped_reason`` says why. A network compiled as a
+    whole (training's ``compile=true``) is measured on CPU from ``torch.profiler`` memory
+    events instead (:class:`~remat.measure.ProfilerPeakMemory`: the allocator's peak,
+    kernel temporaries included), so the compiled step is what is measured.
 
     Raises:
         ValueError: ``track_steps < 0``.
@@ -63,7 +66,7 @@ class PeakMemoryMonitor(L.Callback):
         self.skipped_reason: str | None = None
         self.history: list[dict[str, Any]] = []
         self.measured_under: dict[str, Any] | None = None  # strategy and plan measured
-        self._current: PeakMemory | None = None
+        self._current: PeakMemory | ProfilerPeakMemory | None = None
         self._epoch_peak: int | None = None
         self._step_before = 0
 
@@ -109,8 +112,13 @@ class PeakMemoryMonitor(L.Callback):
             return
         if self.measured_under is None:
             self.measured_under = _strategy_of(pl_module)
-        self._current = PeakMemory(pl_module.device, modules=[pl_module],
-                                   optimizers=trainer.optimizers, split=False)
+        if pl_module.device.type != "cuda" and getattr(pl_module, "compiled", False):
+            # MemTracker's dispatch mode would make dynamo run the compiled network eagerly
+            self._current = ProfilerPeakMemory(pl_module.device, modules=[pl_module],
+                                               optimizers=trainer.optimizers)
+        else:
+            self._current = PeakMemory(pl_module.device, modules=[pl_module],
+                                       optimizers=trainer.optimizers, split=False)
         self._current.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,

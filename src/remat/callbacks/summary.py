@@ -182,6 +182,16 @@ def _plan_of(pl_module: Any, memory: Any) -> dict[str, Any] | None:
     return out
 
 
+def compiled_of(pl_module: Any) -> dict[str, Any] | None:
+    """``{"backend", "options", "graphs"}`` of a network compiled by ``compile=true``
+    (:meth:`remat.models.base.StrategyModule.compile_net`), else ``None``."""
+    backend = getattr(pl_module, "compile_backend", None)
+    if backend is None:
+        return None
+    return {"backend": backend.backend, "options": dict(backend.options),
+            "graphs": int(backend.graphs)}
+
+
 class RunSummary(L.Callback):
     """Writes ``path`` (``summary.json``): ``running`` at train start, ``completed`` at fit
     end, ``interrupted`` (with ``signal``) or ``failed`` (with ``error``) on an exception.
@@ -254,6 +264,8 @@ class RunSummary(L.Callback):
             "sharding": (pl_module.shard_report.to_dict()
                          if getattr(pl_module, "shard_report", None) is not None else None),
             "device": device_name(pl_module.device) if pl_module is not None else None,
+            # compile=true: backend, inductor options, graphs compiled (0: it ran eagerly)
+            "compiled": compiled_of(pl_module),
             # a LoRA run: its adapters' elements, of the frozen network's and theirs
             "parameters": parameters_of(pl_module),
             "global_step": trainer.global_step,

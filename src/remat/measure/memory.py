@@ -132,11 +132,16 @@ class PeakMemory:
         return out
 
 
-def allocation_levels(prof: Any, device_type: str) -> tuple[list[int], list[int]]:
+def allocation_levels(prof: Any, device_type: str, held: dict[int, int] | None = None
+                      ) -> tuple[list[int], list[int]]:
     """The allocator's running total through a finished
     ``torch.profiler.profile(profile_memory=True)`` session on devices of ``device_type``:
     ``(times_ns, levels)``, one entry per allocation or free, in time order, each level
-    in bytes above the session's start.
+    in bytes above the session's start (below it, negative, once blocks in ``held`` are
+    freed).
+
+    ``held``: address -> bytes of blocks alive when the session started whose frees count
+    (the previous step's gradients, freed by ``zero_grad`` inside the step).
 
     Read from the profiler's allocation events (``experimental_event_tree()``: each has its
     block's address and signed size). A free counts only when its block was allocated in
@@ -156,6 +161,7 @@ def allocation_levels(prof: Any, device_type: str) -> tuple[list[int], list[int]
             events.append((node.start_time_ns, fields.allocation_id, fields.ptr,
                            fields.alloc_size))
     live: dict[int, int] = {}
+    before = dict(held or {})
     running = 0
     times, levels = [], []
     for t, _, ptr, size in sorted(events):
@@ -164,6 +170,8 @@ def allocation_levels(prof: Any, device_type: str) -> tuple[list[int], list[int]
             running += size
         elif ptr in live:
             running -= live.pop(ptr)
+        elif ptr in before:
+            running -= before.pop(ptr)
         else:
             continue
         times.append(t)

@@ -88,12 +88,36 @@ class StrategyModule(L.LightningModule):
                  len(self.strategy_report.wrapped), ", ".join(self.strategy_report.stages),
                  self.strategy_report.segments)
 
+    def compile_net(self, options: dict[str, Any] | None = None) -> None:
+        """Have ``self.net`` compiled with ``torch.compile`` (inductor, with its config
+        ``options``) when training starts (:meth:`configure_model`: after the strategy
+        wrapped it and FSDP sharded it), in place: parameter names and checkpoints are
+        those of the eager network. Training's ``compile=true``."""
+        self.compile_options: dict[str, Any] | None = dict(options or {})
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``self.net`` runs compiled (:meth:`compile_net`, once training started)."""
+        return getattr(self, "compile_backend", None) is not None
+
+    def _compile(self) -> None:
+        options = getattr(self, "compile_options", None)
+        if options is None or self.compiled:
+            return
+        from remat.compiling import TRAINING_BACKEND, RowBackend, compile_row
+
+        self.compile_backend = RowBackend(TRAINING_BACKEND, options=options)
+        compile_row(self.net, self.compile_backend)
+        log.info("torch.compile(%s) of the network, in place%s", TRAINING_BACKEND,
+                 f", inductor options {options}" if options else "")
+
     def configure_model(self) -> None:
         """Shard ``self.net`` with FSDP2 when the trainer runs Lightning's
         ``ModelParallelStrategy`` (``trainer=fsdp``), after the strategy wrapped it:
         one FSDP unit per checkpointed segment and per block of each stage, then the network
-        (:func:`remat.sharding.shard`). Under any other trainer strategy, nothing. Called by
-        Lightning once per ``fit``/``validate``/``test``; sharding happens once.
+        (:func:`remat.sharding.shard`). Under any other trainer strategy, nothing. Then,
+        after :meth:`compile_net`, compile the network. Called by Lightning once per
+        ``fit``/``validate``/``test``; sharding and compiling happen once.
 
         Raises:
             remat.strategies.StageError: the checkpointing strategy says it cannot be
@@ -106,6 +130,7 @@ class StrategyModule(L.LightningModule):
 
         trainer_strategy = self._trainer.strategy if self._trainer is not None else None
         if not isinstance(trainer_strategy, ModelParallelStrategy) or is_sharded(self.net):
+            self._compile()
             return
         if not getattr(self.strategy, "shardable", True):
             raise StageError(
@@ -131,6 +156,7 @@ class StrategyModule(L.LightningModule):
             stages=self.stage_paths)
         log.info("FSDP2 sharded %s over %d ranks: %d units below the root", name,
                  mesh.size(), len(self.shard_report.units))
+        self._compile()
 
     def _same_units_on_every_rank(self, mesh: Any) -> None:
         """Raise, instead of hanging in a collective, when the ranks wrapped the network

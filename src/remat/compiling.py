@@ -1,0 +1,115 @@
+"""Compiling a (wrapped) network in place with ``torch.compile``: training's
+``compile=true`` and the bench's compiled rows.
+
+The network is compiled after its strategy wrapped it (and after FSDP sharded it), in place
+(``nn.Module.compile``'s way: parameter names, so checkpoints and gradient comparisons, do
+not change), with a backend object per network that counts the graphs it compiled.
+
+Under ``torch.compile`` every recomputed segment is one checkpointed region for
+AOTAutograd's partitioner (:func:`remat._compat.segment_contexts`), so a compiled plan keeps
+what the plan keeps eager, or less (inductor fuses and frees what eager autograd keeps).
+One inductor setting works against that: its layout optimisation runs convolutions
+channels-last and, for a network whose fp32 weights are not channels-last, saves a
+channels-last copy of each convolution weight for the backward, which eager does not keep
+(U-Net-R18, 256 px, batch 2, CPU: compiled ``none`` 217.3 MiB with it, 185.0 without, eager
+200.4). Under ``bf16-mixed`` eager keeps a bf16 copy of each weight for the backward itself
+(autocast's cast), and the compiled step is lower with the optimisation than without (165.2
+and 173.2 MiB, eager 184.5). :func:`training_options` therefore turns it off for
+``32-true`` only.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from remat import _compat
+from remat.strategies.compiled import trampoline
+
+#: The backend training's ``compile=true`` uses.
+TRAINING_BACKEND = "inductor"
+
+
+class RowBackend:
+    """The ``torch.compile`` backend of one compiled row: the registered backend
+    ``backend`` (``inductor``, ``aot_eager``, ...), under the partitioner's
+    ``activation_memory_budget`` when one is given, with inductor's config ``options``
+    (what ``torch.compile(options=...)`` takes; inductor only, checked by
+    :func:`check_compile_options`), counting the graphs it compiles.
+
+    One object per row: dynamo checks a cache entry against the backend it was compiled
+    with, so a row never reuses another row's graphs, and ``graphs`` says whether the row
+    was compiled at all (dynamo may run a frame eagerly with only a warning, e.g. past its
+    recompile limit; see :func:`compile_row`).
+    """
+
+    def __init__(self, backend: str, memory_budget: float | None = None,
+                 options: dict[str, Any] | None = None) -> None:
+        self.backend = backend
+        self.memory_budget = memory_budget
+        self.options = dict(options or {})
+        self.inner = (_compat.inductor_backend(self.options) if self.options
+                      else _compat.lookup_backend(backend))
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
+        if self.memory_budget is None:
+            return self.inner(gm, example_inputs)
+        with _compat.functorch_config().patch(activation_memory_budget=self.memory_budget):
+            return self.inner(gm, example_inputs)
+
+
+def check_compile_options(options: Any, backend: str, key: str = "compile_options"
+                          ) -> dict[str, Any]:
+    """``options`` as a plain dict of inductor config settings (``torch.compile(options=
+    ...)``'s keys, e.g. ``{layout_optimization: false}``), checked.
+
+    Raises:
+        ValueError: not a mapping, a backend other than ``inductor`` with options, or a key
+            inductor's config does not have (names ``<key>.<name>`` and close names).
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{key} must be a mapping of inductor settings, e.g. "
+                         f"{{layout_optimization: false}}; got {options!r}")
+    options = dict(options)
+    if options and backend != "inductor":
+        raise ValueError(f"{key} are inductor settings; compile_backend={backend!r} takes "
+                         "none (use compile_backend=inductor or drop them)")
+    known = _compat.inductor_config_names()
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), sorted(known), n=3)
+            hint = f"; close: {', '.join(close)}" if close else ""
+            raise ValueError(f"{key}.{name}: not an inductor setting "
+                             f"(torch._inductor.config){hint}")
+    return options
+
+
+def compile_row(net: torch.nn.Module, backend: Callable) -> None:
+    """``net.compile(backend=backend)`` (in place: parameter names, so the gradient
+    comparison, stay) with a code object of the row's own. ``nn.Module.compile`` compiles
+    ``Module._call_impl``, one code object shared by every module, and dynamo keeps at most
+    ``torch._dynamo.config.recompile_limit`` (8) cache entries per code object, counting
+    those of earlier rows (and of models already gone): past them a row would run eagerly,
+    with only a warning. A trampoline per row (:func:`remat.strategies.compiled.
+    trampoline`, as the ``compile`` strategy's stages have) gives each row a cache of its
+    own."""
+    _compat.set_compiled_call_impl(
+        net, torch.compile(trampoline(_compat.call_impl(net)), backend=backend))
+
+
+def training_options(options: Any, precision: str) -> dict[str, Any]:
+    """Inductor settings for training's ``compile=true``: ``options`` as given (checked by
+    :func:`check_compile_options`, key ``compile_options``), or, for ``None``, inductor's
+    defaults but ``layout_optimization=False`` under ``precision=32-true`` (module
+    docstring: the channels-last weight copies it keeps would put the compiled step above
+    the eager one the estimate and the planner trace)."""
+    if options is not None:
+        return check_compile_options(options, TRAINING_BACKEND)
+    return {"layout_optimization": False} if str(precision) == "32-true" else {}

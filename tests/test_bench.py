@@ -499,7 +499,7 @@ def test_compile_options_are_checked_inductor_settings(tmp_path):
         check_compile_options(["layout_optimization"], "inductor")
     cfg = compose_config("bench", tmp_path, [
         "model=gpt_tiny", "compiled=true", "compile_backend=aot_eager", "device=cpu",
-        "+compile_options.layout_optimization=false"])
+        "compile_options={layout_optimization: false}"])
     with pytest.raises(ValueError, match="takes none"):
         bench(cfg)
 

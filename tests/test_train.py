@@ -401,7 +401,7 @@ def test_compile_true_trains_the_compiled_network_and_measures_it(tmp_path, monk
 @pytest.mark.parametrize("overrides,match", [
     (["compile=yes"], "compile must be true or false"),
     (["compile=true", "strategy=compile"], "compiles its stages itself"),
-    (["compile=true", "+compile_options.layout_optimisation=false"],
+    (["compile=true", "compile_options={layout_optimisation: false}"],
      "compile_options.layout_optimisation: not an inductor setting"),
 ])
 def test_bad_compile_settings_name_the_key(tmp_path, overrides, match):

@@ -36,11 +36,9 @@ the same interleaved rounds as the eager rows, so their ratios to eager ``none``
 is a ``TorchDispatchMode``, under which dynamo runs the model eagerly. ``peak_by=profiler``
 measures the eager rows that way as well (allocator events include kernels' temporaries,
 which a tensor-level MemTracker does not see). ``compile_options`` are inductor settings for
-every compiled row (``torch.compile(options=...)``), e.g. ``{layout_optimization: false}``:
-inductor's layout optimisation runs convolutions channels-last and, on a network whose
-weights are not channels-last, keeps a channels-last copy of each convolution weight for
-the backward (U-Net-R18 at 256 px, batch 2, fp32, CPU: compiled ``none`` 217.3 MiB with
-it, 185.0 MiB without, eager 200.4 MiB).
+every compiled row (``torch.compile(options=...)``); ``null`` gives inductor's own but
+``layout_optimization`` off under ``32-true``, as training's ``compile=true`` does
+(:mod:`remat.compiling` says why), ``{}`` inductor's own.
 """
 
 from __future__ import annotations
@@ -69,7 +67,7 @@ from remat.benchmarking import (
     reference_rows,
     write_csv,
 )
-from remat.compiling import check_compile_options
+from remat.compiling import TRAINING_BACKEND, check_compile_options, training_options
 from remat.config import config_dir
 from remat.measure import DeviceSlot, device_name
 from remat.strategies import COMPILED_REFERENCES
@@ -196,10 +194,12 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                          f"{cfg.warmup}")
     compiled = bool(cfg.get("compiled", False))
     backend = str(cfg.get("compile_backend", "inductor"))
-    compile_options = check_compile_options(
-        OmegaConf.to_container(cfg.compile_options) if isinstance(
-            cfg.get("compile_options"), DictConfig) else cfg.get("compile_options"),
-        backend) if compiled else {}
+    options = cfg.get("compile_options")
+    options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else options
+    # null: what training's compile=true uses (inductor; layout optimisation off in 32-true)
+    compile_options = ({} if not compiled else
+                       training_options(None, precision) if options is None and backend ==
+                       TRAINING_BACKEND else check_compile_options(options, backend))
     compile_runs = build_strategies(cfg.get("compile_strategies") or []) if compiled else {}
     peak_by = str(cfg.get("peak_by", "auto"))
     if peak_by not in ("auto", "profiler"):

@@ -275,27 +275,25 @@ def quiet_context_fn_notice() -> None:
         logger.addFilter(_ContextFnNotice())
 
 
+def prefer_recompute_contexts() -> tuple:
+    """The SAC pair dynamo gives a plain ``checkpoint`` (every op ``PREFER_RECOMPUTE``)."""
+    return _checkpoint.create_selective_checkpoint_contexts(_prefer_recompute)
+
+
 def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return _checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def segment_contexts(context_fn: Callable[[], tuple] | None, segment: str,
-                     position: int) -> tuple:
-    """``context_fn`` for one call of a checkpointed segment under ``torch.compile``: the
-    SAC pair of ``context_fn`` (``None``: recompute everything, what dynamo uses for a
-    plain checkpoint), its forward context tagging the call's nodes with the id of
-    ``segment``'s region (the first call's, for calls at later ``position`` s in one
-    trace). Pass it as ``functools.partial(segment_contexts, context_fn, segment,
-    position)``: dynamo takes a partial of constants as ``context_fn``."""
-    fn = context_fn if context_fn is not None else functools.partial(
-        _checkpoint.create_selective_checkpoint_contexts, _prefer_recompute)
-    forward_mode, recompute_mode = fn()
-    if type(forward_mode) is _checkpoint._CachingTorchDispatchMode:
-        forward_mode.__class__ = _SegmentCachingMode
-        forward_mode.__dict__["_segment_graph_id"] = forward_mode.__dict__.pop(
-            "ac_graph_id", None)
-        forward_mode.__dict__["_segment"] = (segment, position)
-    return forward_mode, recompute_mode
+def join_segment(forward_mode: Any, segment: str | None, position: int) -> None:
+    """Tag the nodes of a call traced under ``forward_mode`` (a SAC forward context) with
+    the region id of ``segment`` (the id of its first call at a lower ``position`` in the
+    same trace; see above); ``segment=None``: the call's own id. A forward context of
+    another kind is left as it is."""
+    if segment is None or type(forward_mode) is not _checkpoint._CachingTorchDispatchMode:
+        return
+    forward_mode.__class__ = _SegmentCachingMode
+    forward_mode.__dict__["_segment_graph_id"] = forward_mode.__dict__.pop("ac_graph_id", None)
+    forward_mode.__dict__["_segment"] = (segment, position)
 
 
 def _current_user_hooks() -> Any:

@@ -6,8 +6,10 @@ The network is compiled after its strategy wrapped it (and after FSDP sharded it
 not change), with a backend object per network that counts the graphs it compiled.
 
 Under ``torch.compile`` every recomputed segment is one checkpointed region for
-AOTAutograd's partitioner (:func:`remat._compat.segment_contexts`), so a compiled plan keeps
-what the plan keeps eager, or less (inductor fuses and frees what eager autograd keeps).
+AOTAutograd's partitioner, and ops that draw random numbers keep their outputs
+(:func:`remat.strategies.recompute.compiled_region_contexts`), so a compiled plan computes
+the eager plan's function and keeps what it keeps eager, or less (inductor fuses and frees
+what eager autograd keeps).
 One inductor setting works against that: its layout optimisation runs convolutions
 channels-last and, for a network whose fp32 weights are not channels-last, saves a
 channels-last copy of each convolution weight for the backward, which eager does not keep
@@ -34,15 +36,16 @@ TRAINING_BACKEND = "inductor"
 
 
 class RowBackend:
-    """The ``torch.compile`` backend of one compiled row: the registered backend
+    """The ``torch.compile`` backend of one compiled network (a bench row, or training's
+    ``compile=true``): the registered backend
     ``backend`` (``inductor``, ``aot_eager``, ...), under the partitioner's
     ``activation_memory_budget`` when one is given, with inductor's config ``options``
     (what ``torch.compile(options=...)`` takes; inductor only, checked by
     :func:`check_compile_options`), counting the graphs it compiles.
 
-    One object per row: dynamo checks a cache entry against the backend it was compiled
-    with, so a row never reuses another row's graphs, and ``graphs`` says whether the row
-    was compiled at all (dynamo may run a frame eagerly with only a warning, e.g. past its
+    One object per network: dynamo checks a cache entry against the backend it was compiled
+    with, so a network never reuses another's graphs, and ``graphs`` says whether it was
+    compiled at all (dynamo may run a frame eagerly with only a warning, e.g. past its
     recompile limit; see :func:`compile_row`).
     """
 

@@ -379,3 +379,71 @@ def test_compiled_segment_keeps_one_input_as_eager(strategy, overrides, segments
     compiled(x).sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compiled_regions_keep_the_outputs_of_ops_that_draw_random_numbers():
+    """Under torch.compile every recomputed region's policy keeps what a random op drew
+    (MUST_SAVE): recomputed in the backward it would draw other numbers under inductor;
+    ops with p=0 or train=False draw nothing and stay recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from remat.strategies.recompute import compiled_region_contexts, draws_random_numbers
+    from remat.strategies.selective import SelectiveCheckpoint
+
+    aten = torch.ops.aten
+    x = torch.randn(4, 4)
+    assert draws_random_numbers(aten.bernoulli_.float, (x, 0.9), {})
+    assert draws_random_numbers(aten.native_dropout.default, (x, 0.1, True), {})
+    assert not draws_random_numbers(aten.native_dropout.default, (x, 0.1, False), {})
+    assert not draws_random_numbers(aten.native_dropout.default, (x, 0.0, True), {})
+    assert not draws_random_numbers(aten.mm.default, (x, x), {})
+    for context_fn in (None, SelectiveCheckpoint("matmul").compile_context_fn()):
+        forward_mode, _ = compiled_region_contexts(context_fn, None, 0)
+        policy = forward_mode.policy_fn
+        assert policy(None, aten.bernoulli_.float, x, 0.9) == CheckpointPolicy.MUST_SAVE
+        assert policy(None, aten.rand.default, [4]) == CheckpointPolicy.MUST_SAVE
+        assert policy(None, aten.relu.default, x) in (CheckpointPolicy.PREFER_RECOMPUTE,
+                                                      CheckpointPolicy.MUST_RECOMPUTE)
+
+
+@pytest.mark.slow  # one inductor compile of a 12-block ViT (about 40 s on 2 cores)
+def test_inductor_plan_with_stochastic_depth_gives_eager_gradients():
+    """A compiled plan whose selective blocks draw stochastic-depth masks, in float64 (so
+    only a wrong mask, not float reordering, can move a gradient): before the random ops'
+    outputs were kept, inductor's backward drew other masks (relative error 1.64)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from remat.compiling import RowBackend, compile_row
+    from remat.planner import PlanStrategy
+    from remat.planner.plan import Plan, UnitPlan
+
+    cfg = OmegaConf.create({
+        "_target_": "remat.models.SegmentationModule", "in_channels": 3, "num_classes": 1,
+        "net": {"_target_": "remat.models.ViTSegmenter", "img_size": 64, "patch_size": 16,
+                "in_channels": 3, "num_classes": 1, "embed_dim": 64, "depth": 12,
+                "num_heads": 2, "decoder_channels": [32, 16], "drop_path_rate": 0.1},
+        "stages": ["encoder.blocks"]})
+    keep = [(i, i + 1, "keep") for i in range(4, 12)]
+    plan = Plan(units=[UnitPlan("encoder.blocks", "chain",
+                                [(i, i + 1, "selective") for i in range(4)] + keep),
+                       UnitPlan("decoder", "chain", [(0, 1, "selective"), (1, 2, "selective")])])
+
+    def grads(compiled):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = instantiate(cfg).train().double()
+        batch = model.example_batch(2, 64, torch.Generator().manual_seed(0))
+        batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+        if compiled:
+            PlanStrategy(plan).apply(model.net)
+            compile_row(model.net, RowBackend("inductor"))
+        for _ in range(2):  # the second step runs the compiled graph
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(5)
+            model.training_loss(batch).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    ref, got = grads(False), grads(True)
+    for name, grad in ref.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-9, atol=1e-12, msg=name)

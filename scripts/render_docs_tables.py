@@ -52,7 +52,7 @@ PAGES: dict[str, tuple[str, str, list[str]]] = {
         "activation memory budget. Peaks of compiled rows come from `torch.profiler` memory "
         "events; quote compiled speed-ups from a GPU only.",
         ["bench_gpt_small_512_compiled", "plans_vs_compile_unet_r34",
-         "plans_vs_compile_summary"],
+         "plans_vs_compile_gpt_small", "plans_vs_compile_vit_s", "plans_vs_compile_summary"],
     ),
     "planner": (
         "Plans measured",

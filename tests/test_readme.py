@@ -38,8 +38,10 @@ APPS = {"train.py": "train", "remat.train": "train", "remat-train": "train",
         # these scripts compose estimate.yaml from their overrides (their --flags aside)
         "scripts/plan_acceptance.py": "estimate", "scripts/estimate_vs_allocator.py": "estimate",
         "scripts/budget_fraction_check.py": "estimate"}
+# scripts/compile_verdict.py reads bench.json files (tests/test_compile_verdict.py)
 NOT_COMPOSED = ("make ", "pip ", "bash scripts/gpu_check.sh", "python -m remat.report",
-                "remat-report", "python scripts/render_docs_tables.py")
+                "remat-report", "python scripts/render_docs_tables.py",
+                "python scripts/compile_verdict.py")
 
 
 def doc_pages() -> list[Path]:

@@ -111,6 +111,47 @@ def test_bench_budget_row_is_planned_per_size(tmp_path, capsys):
     assert compiled["grads_match"] and compiled["grad_rel_error"] < 1e-5
 
 
+@pytest.mark.slow  # a planner (20-40 s on 2 cores): make test-all
+def test_budget_at_a_row_plans_for_that_rows_training_step(tmp_path):
+    """{name: budget, at: <row>}: the planner traces the row's strategy and plans for its
+    peak, so the plan's row peaks no higher and recomputes no more than the row it is at
+    (here the cheapest plan at selective(policy=matmul)'s peak is that policy itself)."""
+    at = "selective(policy=matmul)"
+    cfg = compose_config("bench", tmp_path, [
+        "model=gpt_tiny", "data.batch_size=2", "data.block_size=64", "reference_points=false",
+        f"strategies=[none,{{name: selective, policy: matmul}},"
+        f"{{name: budget, at: '{at}', device: cpu, max_traces: 2}}]", "warmup=0", "steps=1"])
+    record = bench(cfg)
+    rows = {r["strategy"]: r for r in record["rows"]}
+    planned = rows[f"budget(at={at}, device=cpu, max_traces=2)"]
+    assert planned["grads_match"]
+    assert planned["peak_bytes"] <= rows[at]["peak_bytes"]
+    assert planned["flops"] <= rows[at]["flops"]
+    note = next(n for n in record["notes"] if "budget(at=" in n)
+    assert f"{at}'s training step peaks at" in note and "selective 0" in note
+
+
+@pytest.mark.parametrize(("rows", "match"), [
+    ("[none,{name: budget, at: fulll}]", r"at='fulll' is not a row of this bench; rows: none"),
+    ("[none,{name: budget, at: full, memory: 1GiB}]", "memory= or at=, not both"),
+    ("[none,{name: budget, at: 3}]", "budget at= must name another row"),
+])
+def test_budget_at_a_row_refuses_what_is_not_a_row(tmp_path, rows, match):
+    cfg = compose_config("bench", tmp_path, ["model=gpt_tiny", "reference_points=false",
+                                             f"strategies={rows}"])
+    with pytest.raises(ValueError, match=match):
+        bench(cfg)
+
+
+def test_budget_at_a_compiled_reference_is_refused(tmp_path):
+    cfg = compose_config("bench", tmp_path, [
+        "model=gpt_tiny", "reference_points=false", "compiled=true",
+        "compile_strategies=[none,{name: torch_compile_budget, memory_budget: 0.3},"
+        "{name: budget, at: 'torch_compile_budget(memory_budget=0.3)'}]"])
+    with pytest.raises(ValueError, match="is not a row of this bench"):
+        bench(cfg)
+
+
 def test_timm_reference_row_where_a_timm_model_holds_the_stages(tmp_path):
     cfg = compose_config("bench", tmp_path, [
         "model=unet_convnext", "model.encoder_name=tu-convnext_atto",

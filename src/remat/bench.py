@@ -60,6 +60,7 @@ from remat import run_shape
 from remat.benchmarking import (
     BenchRow,
     build_strategies,
+    check_budget_rows,
     format_table,
     measure_groups,
     planned_strategies,
@@ -70,7 +71,7 @@ from remat.benchmarking import (
 from remat.compiling import TRAINING_BACKEND, check_compile_options, training_options
 from remat.config import config_dir
 from remat.measure import DeviceSlot, device_name
-from remat.strategies import COMPILED_REFERENCES
+from remat.strategies import COMPILED_REFERENCES, REFERENCES
 from remat.strategies.stages import nothing_to_wrap
 
 # image side (px) when data.image_size is null (configs/bench.yaml)
@@ -189,6 +190,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                          "compile_strategies (with compiled=true), not in strategies")
     if "none" not in strategies:
         raise ValueError("bench strategies must include 'none', the reference")
+    references_asked = REFERENCES if cfg.get("reference_points", True) else {}
+    check_budget_rows(strategies, references_asked)
     if int(cfg.steps) < 1 or int(cfg.warmup) < 0:
         raise ValueError(f"bench needs steps >= 1 and warmup >= 0, got {cfg.steps}, "
                          f"{cfg.warmup}")
@@ -204,6 +207,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     peak_by = str(cfg.get("peak_by", "auto"))
     if peak_by not in ("auto", "profiler"):
         raise ValueError(f"bench: peak_by must be auto or profiler, got {peak_by!r}")
+    check_budget_rows(compile_runs, [*strategies, *references_asked])
     if compiled and "none" not in compile_runs:
         raise ValueError(f"bench: compile_strategies must include 'none' (the compiled "
                          f"reference), got {list(compile_runs)}")
@@ -226,17 +230,18 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                 model_cfg.block_size = size  # the model follows the data, as in training
         base = instantiate(model_cfg)  # no strategy: wraps nothing
         _refuse_rows_that_wrap_nothing(base, [*strategies.values(), *compile_runs.values()])
-        runs = planned_strategies(strategies, model_cfg, batch_size, size, precision,
-                        list(base.stage_paths), f"size {size}", notes)
-        size_compile_runs = planned_strategies(compile_runs, model_cfg, batch_size, size, precision,
-                                     list(base.stage_paths), f"size {size}, compiled", notes,
-                                     known=runs)
+        references: dict[str, Any] = {}
         if cfg.get("reference_points", True) and mesh is None:
             references, skipped = reference_rows(base, list(base.stage_paths))
-            runs.update(references)
             for note in skipped:
                 print(f"note: {note}", flush=True)
             notes.extend(f"size {size}: {n}" for n in skipped)
+        runs = planned_strategies(strategies, model_cfg, batch_size, size, precision,
+                        list(base.stage_paths), f"size {size}", notes, rows=references)
+        size_compile_runs = planned_strategies(compile_runs, model_cfg, batch_size, size, precision,
+                                     list(base.stage_paths), f"size {size}, compiled", notes,
+                                     known=runs, rows={**strategies, **references})
+        runs.update(references)
         generator = torch.Generator().manual_seed(cfg.seed)
         batch = {k: v.to(device)
                  for k, v in base.example_batch(batch_size, size, generator).items()}

@@ -34,6 +34,7 @@ from remat.measure import (
     format_bytes,
     training_step,
 )
+from remat.planner.budget import BudgetStrategy
 from remat.sharding import shard
 from remat.strategies import (
     COMPILED_REFERENCES,
@@ -338,6 +339,52 @@ def reference_rows(base: L.LightningModule, stages: Sequence[str]
     return rows, notes
 
 
+class BudgetAtRow(BudgetStrategy):
+    """A bench row ``{name: budget, at: <row>}``: the plan of least recompute whose training
+    step fits where another row's does. For each size the planner traces that row's
+    strategy (a training step in Lightning's order with the optimizer's state, as every
+    budget is planned), takes its allocator peak as the budget (plus the planner's margin)
+    and plans for it; so the table shows a reference point (``hf_gradient_checkpointing``,
+    ``monai_use_checkpoint``, a ``selective`` policy) beside the plan at its peak.
+
+    Args:
+        at: the row's label, e.g. ``full``, ``selective(policy=matmul)``,
+            ``hf_gradient_checkpointing``.
+        **kwargs: :class:`~remat.planner.BudgetStrategy` settings but ``memory``
+            (``device``, ``objective``, ``max_traces``, ...).
+
+    Raises:
+        ValueError: ``at`` is not a non-empty string, or ``memory`` is given too.
+    """
+
+    def __init__(self, at: Any, **kwargs: Any) -> None:
+        if not isinstance(at, str) or not at.strip():
+            raise ValueError(f"bench: budget at= must name another row (a label such as "
+                             f"full or hf_gradient_checkpointing), got {at!r}")
+        if "memory" in kwargs:
+            raise ValueError("bench: a budget row takes memory= or at=, not both")
+        super().__init__(memory=1.0, **kwargs)  # the budget is set per size, from the row
+        self.at = at.strip()
+
+    def planned_at(self, build: Callable[[CheckpointStrategy], torch.nn.Module],
+                   row: CheckpointStrategy, batch_size: int, size: Any, precision: str,
+                   default_stages: Sequence[str] = ()) -> tuple[Any, int, int]:
+        """Trace ``row``'s training step, plan for its peak; returns the
+        :class:`~remat.planner.PlanStrategy`, the row's traced allocator peak and the budget
+        planned for (bytes).
+
+        Raises:
+            remat.planner.InfeasibleBudget: no plan reaches the row's peak.
+        """
+        planner = self.planner(build, batch_size, size, precision,
+                               default_stages=default_stages)
+        peak = int(planner.trace(row).allocator_peak)
+        budget = planner.budget_for(peak)
+        planned = planner.plan(budget)
+        planned.seconds += planner.setup_seconds
+        return self.strategy_for(planned, budget, default_stages), peak, budget
+
+
 def build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
     """Row label -> strategy for ``strategies``-style entries: a name, or ``{name: ...,
     arg: value}`` (label ``name(arg=value)``); ``{name: budget, memory: ...}`` is a memory
@@ -355,7 +402,8 @@ def build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
             from remat.planner import BudgetStrategy
 
             try:
-                strategies[label] = BudgetStrategy(**overrides)
+                strategies[label] = (BudgetAtRow(**overrides) if "at" in overrides
+                                     else BudgetStrategy(**overrides))
             except TypeError as err:
                 raise ValueError(f"bench: strategy budget does not take {sorted(overrides)}: "
                                  f"{err}") from err
@@ -364,15 +412,59 @@ def build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
     return strategies
 
 
+def check_budget_rows(strategies: dict[str, CheckpointStrategy],
+                      others: Iterable[str] = ()) -> None:
+    """Refuse a ``{name: budget, at: <row>}`` whose row is not another row of the bench: a
+    label of ``strategies`` (not itself a budget, nor a compiled-only reference such as
+    ``torch_compile_budget``, whose peak an eager trace cannot give) or one of ``others``
+    (reference rows).
+
+    Raises:
+        ValueError: naming the row asked for and the rows there are.
+    """
+    compiled_only = tuple(COMPILED_REFERENCES.values())  # not traceable eagerly
+    rows = [label for label, s in strategies.items()
+            if not getattr(s, "needs_plan", False) and not isinstance(s, compiled_only)]
+    rows += [o for o in others if o not in rows]
+    for label, strategy in strategies.items():
+        if isinstance(strategy, BudgetAtRow) and strategy.at not in rows:
+            raise ValueError(f"bench: {label}: at={strategy.at!r} is not a row of this bench; "
+                             f"rows: {', '.join(rows)}")
+
+
 def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: DictConfig,
              batch_size: int, size: int, precision: str, stages: list[str], where: str,
              notes: list[str], known: dict[str, CheckpointStrategy] | None = None,
+             rows: dict[str, CheckpointStrategy] | None = None,
              ) -> dict[str, CheckpointStrategy]:
     """``strategies`` with each memory budget (``{name: budget, ...}``) planned for this
     batch and size (its plan noted in ``notes``). A budget with the same label in ``known``
-    (the eager rows, already planned) takes that plan instead of planning again."""
+    (the eager rows, already planned) takes that plan instead of planning again. A budget
+    ``at`` a row is planned for that row's strategy in ``rows`` (or ``strategies``); one
+    whose row does not apply here (a skipped reference) is left out with a note."""
     runs = dict(strategies)
+    rows = {**strategies, **(rows or {})}
     for label, strategy in strategies.items():
+        if isinstance(strategy, BudgetAtRow) and not hasattr((known or {}).get(label), "plan"):
+            from remat.planner import InfeasibleBudget
+
+            del runs[label]
+            if strategy.at not in rows:
+                notes.append(f"{where}: {label} skipped: row {strategy.at} does not apply")
+                continue
+            try:
+                runs[label], peak, budget = strategy.planned_at(
+                    lambda s, mc=model_cfg: instantiate(mc, strategy=s), rows[strategy.at],
+                    batch_size, size, precision, default_stages=stages)
+            except InfeasibleBudget as err:
+                notes.append(f"{where}: {label} skipped: {str(err).splitlines()[0]}")
+                print(f"note: {where}: {label} skipped: {err}", flush=True)
+                continue
+            notes.append(f"{where}: {label}: {strategy.at}'s training step peaks at "
+                         f"{format_bytes(peak)} (traced, optimizer state included), planned "
+                         f"for a budget of {budget} bytes: "
+                         + runs[label].plan.summary().replace("\n", "; "))
+            continue
         if getattr(strategy, "needs_plan", False) and hasattr((known or {}).get(label), "plan"):
             from remat.planner import PlanStrategy
 

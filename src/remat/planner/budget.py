@@ -12,7 +12,7 @@ from remat.measure import format_bytes
 from remat.planner.devices import get_device
 from remat.planner.memory import parse_memory
 from remat.planner.plan import PlanStrategy
-from remat.planner.planner import check_options, make_plan
+from remat.planner.planner import Planner, check_options, make_plan
 from remat.strategies.base import CheckpointStrategy, StrategyReport
 
 log = logging.getLogger(__name__)
@@ -87,24 +87,49 @@ class BudgetStrategy(CheckpointStrategy):
         Raises:
             remat.planner.InfeasibleBudget: no plan fits (what would fit is in the message).
         """
-        request = self.request(default_stages, reshard_after_forward)
         planned = make_plan(build, batch_size, size, self.budget_bytes, precision,
-                            device=self.spec, units=self.units, margin=self.margin,
-                            max_traces=self.max_traces, objective=self.objective,
-                            default_stages=default_stages, calibrate=self.calibrate,
-                            accumulate_grad_batches=accumulate_grad_batches,
-                            world_size=world_size, reshard_after_forward=reshard_after_forward,
-                            temporaries=self.temporaries, size_key=size_key)
+                            **self._planner_kwargs(accumulate_grad_batches, default_stages,
+                                                   world_size, reshard_after_forward, size_key))
+        return self.strategy_for(planned, self.budget_bytes, default_stages,
+                                 reshard_after_forward)
+
+    def _planner_kwargs(self, accumulate_grad_batches: int, default_stages: Sequence[str],
+                        world_size: int, reshard_after_forward: bool,
+                        size_key: str | None) -> dict[str, Any]:
+        return {"device": self.spec, "units": self.units, "margin": self.margin,
+                "max_traces": self.max_traces, "objective": self.objective,
+                "default_stages": default_stages, "calibrate": self.calibrate,
+                "accumulate_grad_batches": accumulate_grad_batches, "world_size": world_size,
+                "reshard_after_forward": reshard_after_forward,
+                "temporaries": self.temporaries, "size_key": size_key}
+
+    def planner(self, build: Callable[[CheckpointStrategy], nn.Module], batch_size: int,
+                size: Any, precision: str, accumulate_grad_batches: int = 1,
+                default_stages: Sequence[str] = (), world_size: int = 1,
+                reshard_after_forward: bool = True, size_key: str | None = None) -> Planner:
+        """The :class:`~remat.planner.Planner` of this request for one run shape (arguments
+        as :meth:`planned`); it profiles the model once."""
+        return Planner(build, batch_size, size, precision,
+                       **self._planner_kwargs(accumulate_grad_batches, default_stages,
+                                              world_size, reshard_after_forward, size_key))
+
+    def strategy_for(self, planned: Any, budget_bytes: int,
+                     default_stages: Sequence[str] = (),
+                     reshard_after_forward: bool = True) -> PlanStrategy:
+        """The strategy that applies ``planned`` (a :class:`~remat.planner.Planned` result
+        for ``budget_bytes``; kept as its ``planned`` attribute), its request recorded."""
+        request = self.request(default_stages, reshard_after_forward)
+        request["budget_bytes"] = int(budget_bytes)
         plan = planned.plan
         log.info("plan for %s on %s (%.1f s): predicted peak %s (allocator; tensors %s, "
                  "none %s), recompute FLOPs x%.3f of none, modelled step time x%.3f\n%s",
-                 format_bytes(self.budget_bytes), self.spec.name, planned.seconds,
+                 format_bytes(budget_bytes), self.spec.name, planned.seconds,
                  format_bytes(plan.predicted_allocator_peak_bytes),
                  format_bytes(plan.predicted_peak_bytes), format_bytes(plan.none_peak_bytes),
                  1 + plan.recompute_flops / max(plan.step_flops, 1), plan.predicted_overhead,
                  plan.summary())
         strategy = PlanStrategy(plan, origin=f"strategy=budget, planned for "
-                                f"{format_bytes(self.budget_bytes)} on {self.spec.name}",
+                                f"{format_bytes(budget_bytes)} on {self.spec.name}",
                                 request=request)
         strategy.planned = planned
         return strategy

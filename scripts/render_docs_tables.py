@@ -43,7 +43,8 @@ PAGES: dict[str, tuple[str, str, list[str]]] = {
         "Long sequences",
         "How activation memory grows with context length and what each strategy buys, on "
         "remat's GPT, a Hugging Face Llama, and a short character-level training run.",
-        ["bench_gpt_tiny_sequence_sweep", "bench_hf_llama", "train_shakespeare_gpt",
+        ["bench_gpt_tiny_sequence_sweep", "bench_hf_llama", "bench_hf_llama_points",
+         "train_shakespeare_gpt",
          "train_shakespeare_llama"],
     ),
     "compile": (

@@ -538,11 +538,31 @@ def test_compile_options_are_checked_inductor_settings(tmp_path):
         check_compile_options({"layout_optimization": False}, "aot_eager")
     with pytest.raises(ValueError, match="compile_options must be a mapping"):
         check_compile_options(["layout_optimization"], "inductor")
+    with pytest.raises(ValueError, match=r"compile_options.max_autotune: inductor's setting "
+                                         r"is a bool \(default False\), got 'maybe'"):
+        check_compile_options({"max_autotune": "maybe"}, "inductor")
+    with pytest.raises(ValueError, match=r"realize_reads_threshold: inductor's setting is a "
+                                         r"int .*got True"):
+        check_compile_options({"realize_reads_threshold": True}, "inductor")
     cfg = compose_config("bench", tmp_path, [
         "model=gpt_tiny", "compiled=true", "compile_backend=aot_eager", "device=cpu",
         "compile_options={layout_optimization: false}"])
     with pytest.raises(ValueError, match="takes none"):
         bench(cfg)
+
+
+def test_compiled_training_and_rows_turn_layout_optimization_off_under_the_users_options():
+    """Every precision (a recomputing compiled step keeps channels-last weight copies with
+    it: bf16 sqrtn above compiled none), and a user's options go on top of the default
+    instead of replacing it."""
+    from remat.compiling import training_options
+
+    for precision in ("32-true", "bf16-mixed", "16-mixed"):
+        assert training_options(None, precision) == {"layout_optimization": False}
+    assert training_options({"max_autotune": True}, "bf16-mixed") == {
+        "layout_optimization": False, "max_autotune": True}
+    assert training_options({"layout_optimization": True}, "32-true") == {
+        "layout_optimization": True}
 
 
 @pytest.mark.slow  # an inductor compile of forward and backward: make test-all

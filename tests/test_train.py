@@ -398,6 +398,15 @@ def test_compile_true_trains_the_compiled_network_and_measures_it(tmp_path, monk
                                                      weights_only=True)["state_dict"])
 
 
+def test_compile_options_without_compile_are_ignored_with_a_warning(tmp_path, caplog):
+    from remat.config import check_top_level
+
+    cfg = compose_train(tmp_path, [*TINY, "compile_options={max_autotune: true}"])
+    with caplog.at_level("WARNING", logger="remat"):
+        check_top_level(cfg)
+    assert "compile_options are ignored: compile=false" in caplog.text
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["compile=yes"], "compile must be true or false"),
     (["compile=true", "strategy=compile"], "compiles its stages itself"),

@@ -366,9 +366,14 @@ def inductor_backend(options: dict[str, Any]) -> Callable:
 
 def inductor_config_names() -> set[str]:
     """The setting names of inductor's config module (``torch._inductor.config``)."""
+    return set(inductor_config_values())
+
+
+def inductor_config_values() -> dict[str, Any]:
+    """Inductor's settings (``torch._inductor.config``) and their current values."""
     import torch._inductor.config
 
-    return set(torch._inductor.config.get_config_copy())
+    return dict(torch._inductor.config.get_config_copy())
 
 
 def functorch_config() -> Any:

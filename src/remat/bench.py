@@ -199,10 +199,10 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     backend = str(cfg.get("compile_backend", "inductor"))
     options = cfg.get("compile_options")
     options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else options
-    # null: what training's compile=true uses (inductor; layout optimisation off in 32-true)
+    # inductor: what training's compile=true uses (layout optimisation off) with these on top
     compile_options = ({} if not compiled else
-                       training_options(None, precision) if options is None and backend ==
-                       TRAINING_BACKEND else check_compile_options(options, backend))
+                       training_options(options, precision) if backend == TRAINING_BACKEND
+                       else check_compile_options(options, backend))
     compile_runs = build_strategies(cfg.get("compile_strategies") or []) if compiled else {}
     peak_by = str(cfg.get("peak_by", "auto"))
     if peak_by not in ("auto", "profiler"):

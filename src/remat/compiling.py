@@ -14,10 +14,12 @@ One inductor setting works against that: its layout optimisation runs convolutio
 channels-last and, for a network whose fp32 weights are not channels-last, saves a
 channels-last copy of each convolution weight for the backward, which eager does not keep
 (U-Net-R18, 256 px, batch 2, CPU: compiled ``none`` 217.3 MiB with it, 185.0 without, eager
-200.4). Under ``bf16-mixed`` eager keeps a bf16 copy of each weight for the backward itself
-(autocast's cast), and the compiled step is lower with the optimisation than without (165.2
-and 173.2 MiB, eager 184.5). :func:`training_options` therefore turns it off for
-``32-true`` only.
+200.4). Under ``bf16-mixed`` compiled ``none`` is lower with it than without (165.2 and
+173.2 MiB, eager 184.5), but a compiled step that recomputes is not: U-Net-R18 128 px batch 2,
+bf16-mixed, ``sqrtn`` 250.0 MiB with it, 208.2 without (eager 208.2), above compiled
+``none`` (229.5) with it; a budget plan for 226 MiB measured 238.0 with it. So
+:func:`training_options` turns it off in every precision, and a user's ``compile_options``
+go on top of that (``{layout_optimization: true}`` turns it back on).
 """
 
 from __future__ import annotations
@@ -84,13 +86,19 @@ def check_compile_options(options: Any, backend: str, key: str = "compile_option
     if options and backend != "inductor":
         raise ValueError(f"{key} are inductor settings; compile_backend={backend!r} takes "
                          "none (use compile_backend=inductor or drop them)")
-    known = _compat.inductor_config_names()
-    for name in options:
+    known = _compat.inductor_config_values()
+    for name, value in options.items():
         if name not in known:
             close = difflib.get_close_matches(str(name), sorted(known), n=3)
             hint = f"; close: {', '.join(close)}" if close else ""
             raise ValueError(f"{key}.{name}: not an inductor setting "
                              f"(torch._inductor.config){hint}")
+        default = known[name]
+        for kind in (bool, int, str):  # a setting of one of these kinds takes that kind
+            if type(default) is kind and (type(value) is not kind if kind is not int else
+                                          isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{key}.{name}: inductor's setting is a {kind.__name__} "
+                                 f"(default {default!r}), got {value!r}")
     return options
 
 
@@ -107,12 +115,23 @@ def compile_row(net: torch.nn.Module, backend: Callable) -> None:
         net, torch.compile(trampoline(_compat.call_impl(net)), backend=backend))
 
 
-def training_options(options: Any, precision: str) -> dict[str, Any]:
-    """Inductor settings for training's ``compile=true``: ``options`` as given (checked by
-    :func:`check_compile_options`, key ``compile_options``), or, for ``None``, inductor's
-    defaults but ``layout_optimization=False`` under ``precision=32-true`` (module
-    docstring: the channels-last weight copies it keeps would put the compiled step above
-    the eager one the estimate and the planner trace)."""
-    if options is not None:
-        return check_compile_options(options, TRAINING_BACKEND)
-    return {"layout_optimization": False} if str(precision) == "32-true" else {}
+#: Inductor settings every compiled network starts from (module docstring); a user's
+#: ``compile_options`` are applied over them and may set them back.
+DEFAULT_OPTIONS: dict[str, Any] = {"layout_optimization": False}
+
+
+def training_options(options: Any, precision: str, key: str = "compile_options"
+                     ) -> dict[str, Any]:
+    """Inductor settings for training's ``compile=true`` and the bench's inductor rows:
+    :data:`DEFAULT_OPTIONS` (``layout_optimization=False``: the channels-last weight copies
+    it keeps put compiled steps that recompute above the eager ones the estimate and the
+    planner trace, in every precision; module docstring) updated with ``options`` (checked
+    by :func:`check_compile_options`; ``None``: none). ``precision`` is kept for settings
+    that depend on it.
+
+    Raises:
+        ValueError: as :func:`check_compile_options`.
+    """
+    del precision  # the same defaults in every precision (measured: module docstring)
+    given = check_compile_options(options, TRAINING_BACKEND, key)
+    return {**DEFAULT_OPTIONS, **given} if TRAINING_BACKEND == "inductor" else given

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from remat.run_shape import PRECISIONS, check_precision
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PRECISIONS", "check_top_level", "config_dir", "per_step_batch", "run_id"]
 
@@ -68,6 +71,9 @@ def check_top_level(cfg: DictConfig) -> None:
         options = cfg.get("compile_options")
         training_options(OmegaConf.to_container(options) if isinstance(options, DictConfig)
                          else options, str(cfg.get("precision")))
+    elif cfg.get("compile_options") is not None:
+        log.warning("compile_options are ignored: compile=false (set compile=true to compile "
+                    "the network with them)")
 
 
 def per_step_batch(effective: int, accumulation: int) -> int:

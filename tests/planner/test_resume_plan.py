@@ -97,7 +97,8 @@ def test_resume_trains_on_with_the_checkpoints_plan(tmp_path, first, shakespeare
     # this process's own peak, beside what the first part measured under the same plan
     earlier = resumed["peak_memory_measured"]["previous_runs"]
     assert earlier == [{"peak_bytes": first[1]["peak_memory_bytes"], "optimizer_steps": [1, 2],
-                        "strategy": "plan", "plan": Plan.from_dict(saved["plan"]).summary()}]
+                        "strategy": "plan", "plan": Plan.from_dict(saved["plan"]).summary(),
+                        "compiled": False, "peak_method": "tensors"}]
     assert resumed["peak_memory_measured"]["optimizer_steps"] == [3, 4]
     assert resumed["plan"]["measured_peak_bytes"] == resumed["peak_memory_bytes"]
     # the resumed run's checkpoints keep the plan too (a second resume reuses it again)

@@ -2,20 +2,42 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning as L
 import torch
 
-from remat.measure import PeakMemory, ProfilerPeakMemory
+from remat.measure import PeakMemory, ProfilerPeakMemory, format_bytes
+
+log = logging.getLogger(__name__)
 
 
 def _strategy_of(pl_module: L.LightningModule) -> dict[str, Any]:
-    """The strategy's name and its plan's one-line-per-unit summary (None without one)."""
+    """The strategy's name, its plan's one-line-per-unit summary (None without one) and
+    whether the network ran compiled (``compile=true``)."""
     strategy = getattr(pl_module, "strategy", None)
     plan = getattr(strategy, "plan", None)
     return {"strategy": getattr(strategy, "name", None),
-            "plan": plan.summary() if hasattr(plan, "summary") else None}
+            "plan": plan.summary() if hasattr(plan, "summary") else None,
+            "compiled": bool(getattr(pl_module, "compiled", False))}
+
+
+def _warn_over_budget(pl_module: L.LightningModule, peak_bytes: int) -> None:
+    """Log a warning when a planned run (``strategy=budget``) measured a peak above its
+    budget: the plan did not hold on this run (e.g. compiled code keeping more than the
+    eager step the planner traced)."""
+    strategy = getattr(pl_module, "strategy", None)
+    plan = getattr(strategy, "plan", None)
+    budget = getattr(plan, "budget_bytes", None)
+    if not budget or peak_bytes <= budget:
+        return
+    predicted = getattr(plan, "predicted_allocator_peak_bytes", None)
+    log.warning("measured peak %s is above the budget %s the plan was made for (predicted "
+                "%s): this run needs more than planned%s", format_bytes(peak_bytes),
+                format_bytes(budget), format_bytes(predicted),
+                "; the network is compiled: try compile=false, or a lower strategy.memory"
+                if getattr(pl_module, "compiled", False) else "")
 
 
 class PeakMemoryMonitor(L.Callback):
@@ -41,12 +63,13 @@ class PeakMemoryMonitor(L.Callback):
     from every rank), with each rank's in ``rank_peaks_bytes``.
     Only totals are kept: Lightning runs forward and backward inside
     ``optimizer.step(closure)``, so MemTracker would file activations under optimizer state
-    (the per-category split is given by :mod:`remat.estimate`). On CPU with the ``compile``
-    strategy nothing is measured (MemTracker and torch.compile cannot run together):
-    ``peak_bytes`` stays ``None`` and ``skipped_reason`` says why. A network compiled as a
-    whole (training's ``compile=true``) is measured on CPU from ``torch.profiler`` memory
-    events instead (:class:`~remat.measure.ProfilerPeakMemory`: the allocator's peak,
-    kernel temporaries included), so the compiled step is what is measured.
+    (the per-category split is given by :mod:`remat.estimate`). Compiled code on CPU (a
+    network compiled as a whole by training's ``compile=true``, or the ``compile``
+    strategy's stages) is measured from ``torch.profiler`` memory events
+    (:class:`~remat.measure.ProfilerPeakMemory`: the allocator's peak, kernel temporaries
+    included), since MemTracker's dispatch mode would make dynamo run it eagerly;
+    ``peak_method`` says which measure was taken. A planned run whose measured peak is
+    above its budget logs a warning when tracking ends.
 
     Raises:
         ValueError: ``track_steps < 0``.
@@ -64,6 +87,9 @@ class PeakMemoryMonitor(L.Callback):
         self.batches: list[dict[str, int | bool]] = []
         self.steps_done = 0
         self.skipped_reason: str | None = None
+        # what measured the peak: "allocator" (CUDA's, or torch.profiler's memory events on
+        # CPU for compiled code) or "tensors" (MemTracker on CPU)
+        self.peak_method: str | None = None
         self.history: list[dict[str, Any]] = []
         self.measured_under: dict[str, Any] | None = None  # strategy and plan measured
         self._current: PeakMemory | ProfilerPeakMemory | None = None
@@ -78,10 +104,11 @@ class PeakMemoryMonitor(L.Callback):
     def measured(self) -> dict[str, Any]:
         """Which batches were measured: ``batches`` (count), ``optimizer_steps`` (the
         global steps completed by them), ``first``/``last`` (``[epoch, batch_idx]``),
-        ``batch_peaks_bytes`` (each batch's peak, in order); ``previous_runs`` holds what
-        earlier runs of a resumed training measured (``peak_bytes``, ``optimizer_steps``,
-        and the ``strategy`` and ``plan`` (:meth:`~remat.planner.Plan.summary`, or None)
-        those steps ran under: a resume may change either)."""
+        ``batch_peaks_bytes`` (each batch's peak, in order), ``method`` (``allocator`` or
+        ``tensors``: what measured them); ``previous_runs`` holds what earlier runs of a
+        resumed training measured (``peak_bytes``, ``optimizer_steps``, ``peak_method``,
+        and the ``strategy``, ``plan`` (:meth:`~remat.planner.Plan.summary`, or None) and
+        ``compiled`` those steps ran under: a resume may change each)."""
         steps = [int(b["global_step"]) for b in self.batches if b["optimizer_step"]]
         return {
             "batches": len(self.batches),
@@ -91,6 +118,7 @@ class PeakMemoryMonitor(L.Callback):
             "last": [self.batches[-1]["epoch"], self.batches[-1]["batch_idx"]]
             if self.batches else None,
             "batch_peaks_bytes": list(self.step_peaks),
+            "method": self.peak_method,
             "previous_runs": list(self.history),
         }
 
@@ -105,18 +133,21 @@ class PeakMemoryMonitor(L.Callback):
         if not self.is_tracking():
             return
         strategy = getattr(pl_module, "strategy", None)
-        if pl_module.device.type != "cuda" and not getattr(strategy, "measurable_on_cpu", True):
-            # e.g. torch.compile refuses to trace while MemTracker's dispatch mode is active
-            self.skipped_reason = ("not measured: the CPU tracker (MemTracker) cannot run "
-                                   "while torch.compile traces the compiled stages")
-            return
         if self.measured_under is None:
             self.measured_under = _strategy_of(pl_module)
-        if pl_module.device.type != "cuda" and getattr(pl_module, "compiled", False):
-            # MemTracker's dispatch mode would make dynamo run the compiled network eagerly
+        if pl_module.device.type == "cuda":
+            self.peak_method = "allocator"
+            self._current = PeakMemory(pl_module.device, modules=[pl_module],
+                                       optimizers=trainer.optimizers, split=False)
+        elif (getattr(pl_module, "compiled", False)
+              or not getattr(strategy, "measurable_on_cpu", True)):
+            # MemTracker's dispatch mode would make dynamo run the compiled network (or the
+            # compile strategy's stages) eagerly: the allocator's events instead
+            self.peak_method = "allocator"
             self._current = ProfilerPeakMemory(pl_module.device, modules=[pl_module],
                                                optimizers=trainer.optimizers)
         else:
+            self.peak_method = "tensors"
             self._current = PeakMemory(pl_module.device, modules=[pl_module],
                                        optimizers=trainer.optimizers, split=False)
         self._current.__enter__()
@@ -145,6 +176,7 @@ class PeakMemoryMonitor(L.Callback):
         if self.steps_done == self.track_steps and stepped:
             pl_module.log("mem/peak_bytes", float(self.peak_bytes), on_step=True,
                           on_epoch=False, batch_size=1)
+            _warn_over_budget(pl_module, int(self.peak_bytes))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.epoch_peaks.append(self._epoch_peak)
@@ -180,7 +212,8 @@ class PeakMemoryMonitor(L.Callback):
         if self.batches:
             runs.append({"peak_bytes": self.peak_bytes,
                          "optimizer_steps": self.measured()["optimizer_steps"],
-                         **(self.measured_under or {})})
+                         **(self.measured_under or {}),
+                         **({"peak_method": self.peak_method} if self.peak_method else {})})
         return {"epoch_peaks": list(self.epoch_peaks), "history": runs}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -171,8 +171,11 @@ def _plan_of(pl_module: Any, memory: Any) -> dict[str, Any] | None:
     out["origin"] = getattr(pl_module.strategy, "origin", None)
     out["measured_peak_bytes"] = getattr(memory, "peak_bytes", None)
     # on CUDA the run measures the allocator (batch and kernel buffers included), on the
-    # CPU the tensors (MemTracker): each beside the prediction of the same thing
-    allocator = getattr(memory, "reserved_bytes", None) is not None
+    # CPU the tensors (MemTracker), or the allocator's events for compiled code
+    # (torch.profiler): each beside the prediction of the same thing
+    method = getattr(memory, "peak_method", None)
+    allocator = (method == "allocator" if method is not None
+                 else getattr(memory, "reserved_bytes", None) is not None)
     out["measured_peak_kind"] = "allocator" if allocator else "tensors"
     predicted = out.get("predicted_allocator_peak_bytes" if allocator
                         else "predicted_peak_bytes")

@@ -128,3 +128,17 @@ def test_job_folders_with_digit_and_word_names_sort_without_error(tmp_path):
     jobs = collect(tmp_path)
     assert [j.job for j in jobs if j.status == "completed"] == ["0", "1"]
     assert [j.job for j in jobs if j.status == "missing"] == ["wandb"]
+
+
+def test_a_compiled_job_is_told_apart_from_its_eager_twin(tmp_path):
+    """A sweep over compile=false,true: the same strategy twice, one compiled."""
+    _job(tmp_path, "0", summary=DONE)
+    _job(tmp_path, "1", summary={**DONE, "peak_memory_bytes": 2 * 2**30,
+                                 "compiled": {"backend": "inductor", "graphs": 2,
+                                              "options": {"layout_optimization": False}}})
+    jobs = {j.job: j for j in report(tmp_path)}
+    assert not jobs["0"].compiled and jobs["1"].compiled
+    rows = {r["job"]: r for r in csv.DictReader((tmp_path / "report.csv").open())}
+    assert (rows["0"]["compiled"], rows["1"]["compiled"]) == ("False", "True")
+    md = (tmp_path / "report.md").read_text()
+    assert "| sqrtn +compile |" in md and "| sqrtn |" in md

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from remat.measure import format_bytes
 
-COLUMNS = ["job", "status", "strategy", "precision", "accumulation", "batch", "size",
+COLUMNS = ["job", "status", "strategy", "compiled", "precision", "accumulation", "batch", "size",
            "peak_memory_bytes", "step_ms", "throughput", "metric", "value", "published",
            "checkpoint", "error"]
 
@@ -53,6 +53,7 @@ class Job:
     published: list[str] = field(default_factory=list)
     error: str | None = None
     checkpoint: str | None = None
+    compiled: bool = False  # compile=true: the network ran under torch.compile
 
 
 def _job_dirs(root: Path) -> list[Path]:
@@ -149,6 +150,7 @@ def read_job(root: Path, job_dir: Path) -> Job:
               summary.get("precision"), summary.get("accumulate_grad_batches"), batch, size,
               summary.get("peak_memory_bytes"), step_ms, throughput, metric,
               metrics.get(metric), error=summary.get("error"), checkpoint=checkpoint)
+    job.compiled = bool(summary.get("compiled"))
     if checkpoint not in (None, "ok"):
         job.error = "; ".join(e for e in (job.error, f"last.ckpt {checkpoint}") if e)
     for ref in config.get("reference") or []:
@@ -191,14 +193,15 @@ def collect(root: Path) -> list[Job]:
     rest = [j for j in jobs if j.status != "completed"]
     done.sort(key=lambda j: (str(j.precision), j.accumulation or 0,
                              j.peak_memory_bytes if j.peak_memory_bytes is not None else math.inf,
-                             str(j.strategy)))
+                             str(j.strategy), j.compiled))
     return done + rest
 
 
 def _cells(job: Job) -> list[str]:
     def num(value, fmt):
         return "n/a" if value is None else format(value, fmt)
-    return [job.job, job.status, str(job.strategy or "?"), str(job.precision or "?"),
+    strategy = str(job.strategy or "?") + (" +compile" if job.compiled else "")
+    return [job.job, job.status, strategy, str(job.precision or "?"),
             str(job.accumulation or "?"), str(job.batch or "?"), str(job.size or "?"),
             format_bytes(job.peak_memory_bytes), num(job.step_ms, ".1f"),
             num(job.throughput, ".2f"), str(job.metric or ""), num(job.value, ".4f"),
@@ -238,7 +241,8 @@ def _plots(jobs: list[Job], out: Path) -> list[Path]:
             if x is None or y is None:
                 continue
             ax.scatter(x, y, marker="*" if j.strategy == "none" else "o", s=80)
-            ax.annotate(f"{j.strategy} {j.precision} x{j.accumulation}", (x, y), fontsize=7,
+            ax.annotate(f"{j.strategy}{' +compile' if j.compiled else ''} {j.precision} "
+                        f"x{j.accumulation}", (x, y), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -276,8 +280,8 @@ def report(root: Path | str, out: Path | str | None = None, quiet: bool = False)
     writer = csv.writer(rows)
     writer.writerow(COLUMNS)
     for j in jobs:
-        writer.writerow([j.job, j.status, j.strategy, j.precision, j.accumulation, j.batch,
-                         j.size, j.peak_memory_bytes, j.step_ms, j.throughput, j.metric,
+        writer.writerow([j.job, j.status, j.strategy, j.compiled, j.precision, j.accumulation,
+                         j.batch, j.size, j.peak_memory_bytes, j.step_ms, j.throughput, j.metric,
                          j.value, "; ".join(j.published), j.checkpoint or "", j.error or ""])
     _write_text(out / "report.csv", rows.getvalue())
     plots = _plots(jobs, out)

@@ -190,3 +190,19 @@ def test_sigterm_from_outside_saves_a_checkpoint_and_exits_non_zero(tmp_path):
     assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGTERM"
     assert stopped["error"] == "stopped by SIGTERM"
     assert stopped["global_step"] == ckpt(run_dir)["global_step"] >= 1
+
+
+def test_ctrl_c_before_the_training_loop_exits_130_not_lightnings_1():
+    """Lightning turns a KeyboardInterrupt outside its loop (the start-of-run estimate) into
+    exit(1) inside its handler; the run still ends with the shell's 128 + SIGINT."""
+    from remat.runs import exit_code
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise SystemExit(1)  # noqa: B904 - as Lightning's _call_and_handle_interrupt
+    except SystemExit as err:
+        assert exit_code(err, []) == 130
+    assert exit_code(SystemExit(0), []) is None  # a plain exit stays what it was
+    assert exit_code(ValueError("x"), []) is None

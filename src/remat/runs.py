@@ -90,9 +90,13 @@ def exit_code(err: BaseException, callbacks: list[Any]) -> int | None:
     last = next((c for c in callbacks if isinstance(c, LastCheckpoint)), None)
     name = getattr(last, "received_signal", None)
     if name is None:
-        if isinstance(err, SIGTERMException):
+        # Lightning answers a KeyboardInterrupt outside the training loop (e.g. during the
+        # start-of-run estimate) with exit(1) raised inside its handler: the signal is the
+        # SystemExit's context
+        cause = err.__context__ if isinstance(err, SystemExit) else err
+        if isinstance(cause, SIGTERMException):
             name = "SIGTERM"
-        elif isinstance(err, KeyboardInterrupt):
+        elif isinstance(cause, KeyboardInterrupt):
             name = "SIGINT"
         else:
             return None

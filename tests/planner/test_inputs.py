@@ -106,3 +106,16 @@ def test_budget_strategy_checks_its_keys_at_construction():
         BudgetStrategy("1GiB", device="h100", objective="speed")
     with pytest.raises(RuntimeError, match="make_plan"):
         BudgetStrategy("1GiB", device="h100").apply(None, [])
+
+
+def test_a_bad_budget_is_refused_before_the_device_is_timed(monkeypatch):
+    """strategy.memory=lots fails at once: the CPU calibration (seconds) comes after."""
+    import remat.planner.budget as budget
+
+    def no_device(*args, **kwargs):
+        raise AssertionError("the device was looked up (and timed) first")
+
+    monkeypatch.setattr(budget, "get_device", no_device)
+    for value, match in [("lots", "cannot read a memory size"), ("-5GiB", "must be > 0")]:
+        with pytest.raises(ValueError, match=match):
+            budget.BudgetStrategy(memory=value)

@@ -63,6 +63,7 @@ class BudgetStrategy(CheckpointStrategy):
                  objective: str = "time", calibrate: bool = False,
                  temporaries: bool | None = None) -> None:
         check_options(objective, 0.0 if margin is None else margin)
+        parse_memory(memory, 2**62)  # its form, before the device (a CPU is timed first)
         self.calibrate = bool(calibrate)
         self.objective = objective
         self.spec = get_device(device)

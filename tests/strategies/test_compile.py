@@ -447,3 +447,26 @@ def test_inductor_plan_with_stochastic_depth_gives_eager_gradients():
     ref, got = grads(False), grads(True)
     for name, grad in ref.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_compile_true_names_the_modules_whose_random_outputs_a_compiled_plan_keeps(caplog):
+    """Compiled, a recomputed segment keeps what dropout and stochastic depth drew, so the
+    step can peak above the eager plan: compile=true says so at the start, naming them."""
+    import logging
+
+    from remat.compiling import random_modules, warn_random_ops_kept
+
+    class DropPath(torch.nn.Module):  # timm's name and attribute
+        def __init__(self, drop_prob):
+            super().__init__()
+            self.drop_prob = drop_prob
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1),
+                              torch.nn.Dropout(0.0), DropPath(0.2), DropPath(0.0))
+    assert random_modules(net) == ["1", "3"]
+    log = logging.getLogger("remat.test")
+    with caplog.at_level("WARNING", logger="remat.test"):
+        assert warn_random_ops_kept(net, recomputes=False, log=log) == []
+        assert caplog.text == ""
+        assert warn_random_ops_kept(net, recomputes=True, log=log) == ["1", "3"]
+    assert "compile=true: 1, 3 draw random numbers" in caplog.text

@@ -104,8 +104,14 @@ class StrategyModule(L.LightningModule):
         options = getattr(self, "compile_options", None)
         if options is None or self.compiled:
             return
-        from remat.compiling import TRAINING_BACKEND, RowBackend, compile_row
+        from remat.compiling import (
+            TRAINING_BACKEND,
+            RowBackend,
+            compile_row,
+            warn_random_ops_kept,
+        )
 
+        warn_random_ops_kept(self.net, bool(getattr(self.strategy, "recomputes", False)), log)
         self.compile_backend = RowBackend(TRAINING_BACKEND, options=options)
         compile_row(self.net, self.compile_backend)
         log.info("torch.compile(%s) of the network, in place%s", TRAINING_BACKEND,

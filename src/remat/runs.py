@@ -93,7 +93,8 @@ def exit_code(err: BaseException, callbacks: list[Any]) -> int | None:
         # Lightning answers a KeyboardInterrupt outside the training loop (e.g. during the
         # start-of-run estimate) with exit(1) raised inside its handler: the signal is the
         # SystemExit's context
-        cause = err.__context__ if isinstance(err, SystemExit) else err
+        cause = (err.__context__ if type(err) is SystemExit and err.__context__ is not None
+                 else err)
         if isinstance(cause, SIGTERMException):
             name = "SIGTERM"
         elif isinstance(cause, KeyboardInterrupt):

@@ -34,7 +34,7 @@ from remat.measure import (
     format_bytes,
     training_step,
 )
-from remat.planner.budget import BudgetStrategy
+from remat.planner import BudgetStrategy, InfeasibleBudget, PlanStrategy
 from remat.sharding import shard
 from remat.strategies import (
     COMPILED_REFERENCES,
@@ -399,8 +399,6 @@ def build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
             strategies[label] = COMPILED_REFERENCES[name](**overrides)
             continue
         if name == "budget":  # planned per size in bench() (remat.planner)
-            from remat.planner import BudgetStrategy
-
             try:
                 strategies[label] = (BudgetAtRow(**overrides) if "at" in overrides
                                      else BudgetStrategy(**overrides))
@@ -446,8 +444,6 @@ def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: Dic
     rows = {**strategies, **(rows or {})}
     for label, strategy in strategies.items():
         if isinstance(strategy, BudgetAtRow) and not hasattr((known or {}).get(label), "plan"):
-            from remat.planner import InfeasibleBudget
-
             del runs[label]
             if strategy.at not in rows:
                 notes.append(f"{where}: {label} skipped: row {strategy.at} does not apply")
@@ -466,14 +462,10 @@ def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: Dic
                          + runs[label].plan.summary().replace("\n", "; "))
             continue
         if getattr(strategy, "needs_plan", False) and hasattr((known or {}).get(label), "plan"):
-            from remat.planner import PlanStrategy
-
             runs[label] = PlanStrategy(known[label].plan)
             notes.append(f"{where}: {label}: the eager row's plan")
             continue
         if getattr(strategy, "needs_plan", False):
-            from remat.planner import InfeasibleBudget
-
             try:
                 runs[label] = strategy.planned(
                     lambda s, mc=model_cfg: instantiate(mc, strategy=s), batch_size, size,

@@ -198,17 +198,18 @@ def test_peak_is_the_plain_storage_count_and_the_split_the_stock_memtracker(stra
 def test_a_planned_run_above_its_budget_warns_naming_both(caplog):
     from types import SimpleNamespace
 
-    from remat.callbacks.memory import _warn_over_budget
+    from remat.callbacks.memory import over_budget
 
     plan = SimpleNamespace(budget_bytes=226 * 2**20, predicted_allocator_peak_bytes=223 * 2**20)
     module = SimpleNamespace(strategy=SimpleNamespace(plan=plan), compiled=True)
     with caplog.at_level("WARNING", logger="remat"):
-        _warn_over_budget(module, 226 * 2**20)  # at the budget: fine
+        assert over_budget(module, 226 * 2**20) is None  # at the budget: fine
         assert caplog.text == ""
-        _warn_over_budget(module, 238 * 2**20)
+        note = over_budget(module, 238 * 2**20)
     assert "measured peak 238.0 MiB is above the budget 226.0 MiB" in caplog.text
+    assert note in caplog.text  # summary.json's peak_memory_note
     assert "predicted 223.0 MiB" in caplog.text and "compile=false" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="remat"):  # no plan: nothing to compare with
-        _warn_over_budget(SimpleNamespace(strategy=SimpleNamespace()), 10**12)
+        assert over_budget(SimpleNamespace(strategy=SimpleNamespace()), 10**12) is None
     assert caplog.text == ""

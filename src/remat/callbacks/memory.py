@@ -23,21 +23,22 @@ def _strategy_of(pl_module: L.LightningModule) -> dict[str, Any]:
             "compiled": bool(getattr(pl_module, "compiled", False))}
 
 
-def _warn_over_budget(pl_module: L.LightningModule, peak_bytes: int) -> None:
-    """Log a warning when a planned run (``strategy=budget``) measured a peak above its
-    budget: the plan did not hold on this run (e.g. compiled code keeping more than the
-    eager step the planner traced)."""
-    strategy = getattr(pl_module, "strategy", None)
-    plan = getattr(strategy, "plan", None)
+def over_budget(pl_module: L.LightningModule, peak_bytes: int) -> str | None:
+    """What to tell when a planned run (``strategy=budget`` or ``plan``) measured a peak
+    above its budget (the plan did not hold on this run, e.g. compiled code keeping more
+    than the eager step the planner traced), logged as a warning; else ``None``."""
+    plan = getattr(getattr(pl_module, "strategy", None), "plan", None)
     budget = getattr(plan, "budget_bytes", None)
     if not budget or peak_bytes <= budget:
-        return
+        return None
     predicted = getattr(plan, "predicted_allocator_peak_bytes", None)
-    log.warning("measured peak %s is above the budget %s the plan was made for (predicted "
-                "%s): this run needs more than planned%s", format_bytes(peak_bytes),
-                format_bytes(budget), format_bytes(predicted),
-                "; the network is compiled: try compile=false, or a lower strategy.memory"
-                if getattr(pl_module, "compiled", False) else "")
+    note = (f"measured peak {format_bytes(peak_bytes)} is above the budget "
+            f"{format_bytes(budget)} the plan was made for (predicted "
+            f"{format_bytes(predicted)}): this run needs more than planned"
+            + ("; the network is compiled: try compile=false, or a lower strategy.memory"
+               if getattr(pl_module, "compiled", False) else ""))
+    log.warning(note)
+    return note
 
 
 class PeakMemoryMonitor(L.Callback):
@@ -69,7 +70,7 @@ class PeakMemoryMonitor(L.Callback):
     (:class:`~remat.measure.ProfilerPeakMemory`: the allocator's peak, kernel temporaries
     included), since MemTracker's dispatch mode would make dynamo run it eagerly;
     ``peak_method`` says which measure was taken. A planned run whose measured peak is
-    above its budget logs a warning when tracking ends.
+    above its budget logs a warning when tracking ends, kept as ``note``.
 
     Raises:
         ValueError: ``track_steps < 0``.
@@ -86,7 +87,7 @@ class PeakMemoryMonitor(L.Callback):
         self.epoch_peaks: list[int | None] = []
         self.batches: list[dict[str, int | bool]] = []
         self.steps_done = 0
-        self.skipped_reason: str | None = None
+        self.note: str | None = None  # a planned run above its budget (summary.json)
         # what measured the peak: "allocator" (CUDA's, or torch.profiler's memory events on
         # CPU for compiled code) or "tensors" (MemTracker on CPU)
         self.peak_method: str | None = None
@@ -98,8 +99,7 @@ class PeakMemoryMonitor(L.Callback):
 
     def is_tracking(self) -> bool:
         """Whether the current (or next) training batch is one this monitor measures."""
-        return self._current is not None or (self.steps_done < self.track_steps
-                                             and self.skipped_reason is None)
+        return self._current is not None or self.steps_done < self.track_steps
 
     def measured(self) -> dict[str, Any]:
         """Which batches were measured: ``batches`` (count), ``optimizer_steps`` (the
@@ -135,21 +135,16 @@ class PeakMemoryMonitor(L.Callback):
         strategy = getattr(pl_module, "strategy", None)
         if self.measured_under is None:
             self.measured_under = _strategy_of(pl_module)
-        if pl_module.device.type == "cuda":
-            self.peak_method = "allocator"
-            self._current = PeakMemory(pl_module.device, modules=[pl_module],
-                                       optimizers=trainer.optimizers, split=False)
-        elif (getattr(pl_module, "compiled", False)
-              or not getattr(strategy, "measurable_on_cpu", True)):
-            # MemTracker's dispatch mode would make dynamo run the compiled network (or the
-            # compile strategy's stages) eagerly: the allocator's events instead
-            self.peak_method = "allocator"
-            self._current = ProfilerPeakMemory(pl_module.device, modules=[pl_module],
-                                               optimizers=trainer.optimizers)
-        else:
-            self.peak_method = "tensors"
-            self._current = PeakMemory(pl_module.device, modules=[pl_module],
-                                       optimizers=trainer.optimizers, split=False)
+        cuda = pl_module.device.type == "cuda"
+        # on CPU MemTracker's dispatch mode would make dynamo run the compiled network (or
+        # the compile strategy's stages) eagerly: the allocator's events instead
+        profiler = not cuda and (getattr(pl_module, "compiled", False)
+                                 or not getattr(strategy, "measurable_on_cpu", True))
+        self.peak_method = "allocator" if cuda or profiler else "tensors"
+        self._current = (ProfilerPeakMemory(pl_module.device, modules=[pl_module],
+                                            optimizers=trainer.optimizers) if profiler
+                         else PeakMemory(pl_module.device, modules=[pl_module],
+                                         optimizers=trainer.optimizers, split=False))
         self._current.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
@@ -176,7 +171,7 @@ class PeakMemoryMonitor(L.Callback):
         if self.steps_done == self.track_steps and stepped:
             pl_module.log("mem/peak_bytes", float(self.peak_bytes), on_step=True,
                           on_epoch=False, batch_size=1)
-            _warn_over_budget(pl_module, int(self.peak_bytes))
+            self.note = over_budget(pl_module, int(self.peak_bytes))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.epoch_peaks.append(self._epoch_peak)

@@ -280,7 +280,7 @@ class RunSummary(L.Callback):
             "peak_memory_reserved_bytes": getattr(memory, "reserved_bytes", None),
             "peak_memory_per_epoch_bytes": getattr(memory, "epoch_peaks", None),
             "peak_memory_measured": memory.measured() if memory else None,
-            "peak_memory_note": memory.skipped_reason if memory
+            "peak_memory_note": memory.note if memory
             else "no PeakMemoryMonitor callback",
             "plan": _plan_of(pl_module, memory),
             "memory_estimate": getattr(report, "estimate", None),

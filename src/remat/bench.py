@@ -201,7 +201,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     options = OmegaConf.to_container(options) if isinstance(options, DictConfig) else options
     # inductor: what training's compile=true uses (layout optimisation off) with these on top
     compile_options = ({} if not compiled else
-                       training_options(options, precision) if backend == TRAINING_BACKEND
+                       training_options(options) if backend == TRAINING_BACKEND
                        else check_compile_options(options, backend))
     compile_runs = build_strategies(cfg.get("compile_strategies") or []) if compiled else {}
     peak_by = str(cfg.get("peak_by", "auto"))

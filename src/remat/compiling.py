@@ -93,12 +93,10 @@ def check_compile_options(options: Any, backend: str, key: str = "compile_option
             hint = f"; close: {', '.join(close)}" if close else ""
             raise ValueError(f"{key}.{name}: not an inductor setting "
                              f"(torch._inductor.config){hint}")
-        default = known[name]
-        for kind in (bool, int, str):  # a setting of one of these kinds takes that kind
-            if type(default) is kind and (type(value) is not kind if kind is not int else
-                                          isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{key}.{name}: inductor's setting is a {kind.__name__} "
-                                 f"(default {default!r}), got {value!r}")
+        kind = type(known[name])  # a bool, int or str setting takes only that kind
+        if kind in (bool, int, str) and type(value) is not kind:
+            raise ValueError(f"{key}.{name}: inductor's setting is a {kind.__name__} "
+                             f"(default {known[name]!r}), got {value!r}")
     return options
 
 
@@ -120,20 +118,16 @@ def compile_row(net: torch.nn.Module, backend: Callable) -> None:
 DEFAULT_OPTIONS: dict[str, Any] = {"layout_optimization": False}
 
 
-def training_options(options: Any, precision: str, key: str = "compile_options"
-                     ) -> dict[str, Any]:
+def training_options(options: Any) -> dict[str, Any]:
     """Inductor settings for training's ``compile=true`` and the bench's inductor rows:
-    :data:`DEFAULT_OPTIONS` (``layout_optimization=False``: the channels-last weight copies
-    it keeps put compiled steps that recompute above the eager ones the estimate and the
-    planner trace, in every precision; module docstring) updated with ``options`` (checked
-    by :func:`check_compile_options`; ``None``: none). ``precision`` is kept for settings
-    that depend on it.
+    :data:`DEFAULT_OPTIONS` (``layout_optimization=False``, in every precision: module
+    docstring) updated with ``options`` (checked by :func:`check_compile_options`, key
+    ``compile_options``; ``None``: none).
 
     Raises:
         ValueError: as :func:`check_compile_options`.
     """
-    del precision  # the same defaults in every precision (measured: module docstring)
-    given = check_compile_options(options, TRAINING_BACKEND, key)
+    given = check_compile_options(options, TRAINING_BACKEND)
     return {**DEFAULT_OPTIONS, **given} if TRAINING_BACKEND == "inductor" else given
 
 

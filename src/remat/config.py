@@ -70,7 +70,7 @@ def check_top_level(cfg: DictConfig) -> None:
                              "stages itself under strategy.budget; use one or the other")
         options = cfg.get("compile_options")
         training_options(OmegaConf.to_container(options) if isinstance(options, DictConfig)
-                         else options, str(cfg.get("precision")))
+                         else options)
     elif cfg.get("compile_options") is not None:
         log.warning("compile_options are ignored: compile=false (set compile=true to compile "
                     "the network with them)")

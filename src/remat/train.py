@@ -101,8 +101,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 ckpt_path, ckpt = checkpoint_to_resume(cfg)
                 model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
                 if cfg.get("compile", False):
-                    model.compile_net(training_options(cfg.get("compile_options"),
-                                                       str(cfg.precision)))
+                    model.compile_net(training_options(cfg.get("compile_options")))
                 check_model_fits_data(model, datamodule, hydra_choice("model"),
                                       hydra_choice("data"))
                 check_monitor(cfg, model)

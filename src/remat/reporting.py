@@ -55,6 +55,11 @@ class Job:
     checkpoint: str | None = None
     compiled: bool = False  # compile=true: the network ran under torch.compile
 
+    @property
+    def label(self) -> str:
+        """The strategy as the table and plots show it (``sqrtn +compile`` when compiled)."""
+        return str(self.strategy or "?") + (" +compile" if self.compiled else "")
+
 
 def _job_dirs(root: Path) -> list[Path]:
     """Job folders under ``root``: any folder holding a ``summary.json``, a ``config.yaml`` or
@@ -200,8 +205,7 @@ def collect(root: Path) -> list[Job]:
 def _cells(job: Job) -> list[str]:
     def num(value, fmt):
         return "n/a" if value is None else format(value, fmt)
-    strategy = str(job.strategy or "?") + (" +compile" if job.compiled else "")
-    return [job.job, job.status, strategy, str(job.precision or "?"),
+    return [job.job, job.status, job.label, str(job.precision or "?"),
             str(job.accumulation or "?"), str(job.batch or "?"), str(job.size or "?"),
             format_bytes(job.peak_memory_bytes), num(job.step_ms, ".1f"),
             num(job.throughput, ".2f"), str(job.metric or ""), num(job.value, ".4f"),
@@ -241,8 +245,7 @@ def _plots(jobs: list[Job], out: Path) -> list[Path]:
             if x is None or y is None:
                 continue
             ax.scatter(x, y, marker="*" if j.strategy == "none" else "o", s=80)
-            ax.annotate(f"{j.strategy}{' +compile' if j.compiled else ''} {j.precision} "
-                        f"x{j.accumulation}", (x, y), fontsize=7,
+            ax.annotate(f"{j.label} {j.precision} x{j.accumulation}", (x, y), fontsize=7,
                         xytext=(4, 3), textcoords="offset points")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)

@@ -182,6 +182,22 @@ def test_bench_image_size_defaults_to_512_px(tmp_path):
     assert _sizes(compose_config("bench", tmp_path, [])) == ("data.image_size", [512])
 
 
+def test_bench_of_a_3d_model_takes_the_patch_side_and_never_defaults_to_512(tmp_path):
+    """A 3D net measured at the default 512 px side was a 512^3 volume (the RAM ran out):
+    the bench reads data.patch_size (data=msd's key) or refuses to guess."""
+    patch = ["model=monai_unet3d", "+data.patch_size=[24,24,24]"]
+    assert _sizes(compose_config("bench", tmp_path, patch)) == ("data.patch_size", [24])
+    with pytest.raises(ValueError, match=r"not cubic/square.*data.image_size=<side>"):
+        _sizes(compose_config("bench", tmp_path, ["model=monai_unet3d",
+                                                  "+data.patch_size=[24,24,16]"]))
+    with pytest.raises(ValueError, match=r"a 3D model needs its patch side: set "
+                                         r"data.image_size"):
+        _sizes(compose_config("bench", tmp_path, ["model=monai_unet3d"]))
+    assert _sizes(compose_config("bench", tmp_path, ["model=monai_unet3d",
+                                                     "data.image_size=[16,32]"])) == (
+        "data.image_size", [16, 32])
+
+
 def test_bench_sizes_must_be_positive_integers_naming_the_key(tmp_path):
     cfg = compose_config("bench", tmp_path, ["model=gpt_tiny", "data.block_size=[64,0]"])
     with pytest.raises(ValueError, match=r"data.block_size must be an integer >= 1.*\[64, 0\]"):

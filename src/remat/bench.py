@@ -104,6 +104,17 @@ def _sizes(cfg: DictConfig) -> tuple[str, list[int]]:
             value = fallback.model.block_size
     else:
         key, value = "data.image_size", cfg.data.get("image_size")
+        patch = cfg.data.get("patch_size")
+        if value is None and patch is not None:  # a data config with patches (data=msd)
+            sides = (list(patch) if isinstance(patch, ListConfig | list | tuple) else [patch])
+            if len(set(sides)) != 1:
+                raise ValueError(f"bench: data.patch_size={OmegaConf.to_container(patch)} is "
+                                 "not cubic/square; the bench measures one side per size: set "
+                                 "data.image_size=<side> (a list for several)")
+            key, value = "data.patch_size", sides[0]
+        if value is None and int(cfg.model.get("spatial_dims", 2) or 2) == 3:
+            raise ValueError("bench: a 3D model needs its patch side: set data.image_size="
+                             "<voxels per side> (e.g. 64; a list for several)")
         value = DEFAULT_IMAGE_SIZE if value is None else value
     values = list(value) if isinstance(value, ListConfig | list | tuple) else [value]
     if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):

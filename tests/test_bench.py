@@ -131,8 +131,21 @@ def test_budget_at_a_row_plans_for_that_rows_training_step(tmp_path):
     assert f"{at}'s training step peaks at" in note and "selective 0" in note
 
 
+def test_a_budget_row_above_its_row_in_the_table_is_explained():
+    from remat.benchmarking import BenchRow, BudgetAtRow, budget_rows_above_their_rows
+
+    at = BudgetAtRow(at="sqrtn", device="cpu")
+    rows = [BenchRow("sqrtn", 2 * 2**20, 1.0, True, 0.0),
+            BenchRow("budget(at=sqrtn)", 3 * 2**20, 1.0, True, 0.0)]
+    (note,) = budget_rows_above_their_rows(rows, {"budget(at=sqrtn)": at})
+    assert "budget(at=sqrtn) peaks above sqrtn in this table (3.0 MiB against 2.0 MiB)" in note
+    rows[1].peak_bytes = 2 * 2**20
+    assert budget_rows_above_their_rows(rows, {"budget(at=sqrtn)": at}) == []
+
+
 @pytest.mark.parametrize(("rows", "match"), [
-    ("[none,{name: budget, at: fulll}]", r"at='fulll' is not a row of this bench; rows: none"),
+    ("[none,{name: budget, at: fulll}]",
+     r"at=.fulll. is not a row a plan can be made at; rows: none"),
     ("[none,{name: budget, at: full, memory: 1GiB}]", "memory= or at=, not both"),
     ("[none,{name: budget, at: 3}]", "budget at= must name another row"),
 ])
@@ -148,7 +161,7 @@ def test_budget_at_a_compiled_reference_is_refused(tmp_path):
         "model=gpt_tiny", "reference_points=false", "compiled=true",
         "compile_strategies=[none,{name: torch_compile_budget, memory_budget: 0.3},"
         "{name: budget, at: 'torch_compile_budget(memory_budget=0.3)'}]"])
-    with pytest.raises(ValueError, match="is not a row of this bench"):
+    with pytest.raises(ValueError, match="is not a row a plan can be made at"):
         bench(cfg)
 
 

@@ -59,6 +59,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from remat import run_shape
 from remat.benchmarking import (
     BenchRow,
+    budget_rows_above_their_rows,
     build_strategies,
     check_budget_rows,
     format_table,
@@ -261,6 +262,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                                     batch, device, precision, int(cfg.warmup), int(cfg.steps),
                                     int(cfg.seed), slot, backend if compiled else None,
                                     size_notes, mesh, peak_by, compile_options)
+        size_notes += budget_rows_above_their_rows(size_rows, strategies)
         for note in size_notes:
             print(f"note: {note}", flush=True)
         notes.extend(f"size {size}: {n}" for n in size_notes)

@@ -370,7 +370,8 @@ class BudgetAtRow(BudgetStrategy):
                    row: CheckpointStrategy, batch_size: int, size: Any, precision: str,
                    default_stages: Sequence[str] = ()) -> tuple[Any, int, int]:
         """Trace ``row``'s training step, plan for its peak; returns the
-        :class:`~remat.planner.PlanStrategy`, the row's traced allocator peak and the budget
+        :class:`~remat.planner.PlanStrategy` (or a copy of ``row`` itself where it recomputes
+        fewer FLOPs than the plan found), the row's traced allocator peak and the budget
         planned for (bytes).
 
         Raises:
@@ -378,10 +379,17 @@ class BudgetAtRow(BudgetStrategy):
         """
         planner = self.planner(build, batch_size, size, precision,
                                default_stages=default_stages)
-        peak = int(planner.trace(row).allocator_peak)
+        traced = planner.trace(row)
+        peak = int(traced.allocator_peak)
         budget = planner.budget_for(peak)
         planned = planner.plan(budget)
         planned.seconds += planner.setup_seconds
+        plan = planned.plan
+        if (traced.step_flops / max(planner.none.step_flops, 1)
+                < 1 + plan.recompute_flops / max(plan.step_flops, 1) - 1e-9):
+            # the row's own schedule fits its peak and recomputes less than the plan found
+            # (its units may be none the planner searches): it is the answer
+            return copy.deepcopy(row), peak, budget
         return self.strategy_for(planned, budget, default_stages), peak, budget
 
 
@@ -426,8 +434,28 @@ def check_budget_rows(strategies: dict[str, CheckpointStrategy],
     rows += [o for o in others if o not in rows]
     for label, strategy in strategies.items():
         if isinstance(strategy, BudgetAtRow) and strategy.at not in rows:
-            raise ValueError(f"bench: {label}: at={strategy.at!r} is not a row of this bench; "
-                             f"rows: {', '.join(rows)}")
+            raise ValueError(f"bench: {label}: at={strategy.at!r} is not a row a plan can be "
+                             f"made at; rows: {', '.join(rows)} (budget rows and compiled rows "
+                             "are not: the planner traces eager steps)")
+
+
+def budget_rows_above_their_rows(rows: Sequence[BenchRow],
+                                 strategies: dict[str, CheckpointStrategy]) -> list[str]:
+    """A note for each ``{name: budget, at: <row>}`` row that peaks above its row in the
+    table: the bench measures forward and backward without an optimizer, the plan holds
+    the training step's peak, where it is at or below the row's."""
+    peaks = {r.strategy: r.peak_bytes for r in rows if r.compiled is None}
+    notes = []
+    for label, strategy in strategies.items():
+        if isinstance(strategy, BudgetAtRow) and peaks.get(label, 0) > peaks.get(
+                strategy.at, float("inf")):
+            notes.append(f"{label} peaks above {strategy.at} in this table "
+                         f"({format_bytes(peaks[label])} against "
+                         f"{format_bytes(peaks[strategy.at])}): these rows are forward and "
+                         f"backward without an optimizer, the plan is for the training step "
+                         f"(optimizer state, kernel temporaries), where it peaks at or below "
+                         f"{strategy.at}")
+    return notes
 
 
 def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: DictConfig,
@@ -456,10 +484,12 @@ def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: Dic
                 notes.append(f"{where}: {label} skipped: {str(err).splitlines()[0]}")
                 print(f"note: {where}: {label} skipped: {err}", flush=True)
                 continue
+            planned = getattr(runs[label], "plan", None)
             notes.append(f"{where}: {label}: {strategy.at}'s training step peaks at "
                          f"{format_bytes(peak)} (traced, optimizer state included), planned "
                          f"for a budget of {budget} bytes: "
-                         + runs[label].plan.summary().replace("\n", "; "))
+                         + (planned.summary().replace("\n", "; ") if planned is not None else
+                            f"no plan recomputes less than {strategy.at} itself there"))
             continue
         if getattr(strategy, "needs_plan", False) and hasattr((known or {}).get(label), "plan"):
             runs[label] = PlanStrategy(known[label].plan)

@@ -133,3 +133,20 @@ def test_csv_and_tensorboard_loggers_side_by_side(tmp_path):
     assert summary["status"] == "completed"
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "csv" / "metrics.csv").is_file()
+
+
+def test_refusing_a_failed_runs_folder_without_a_checkpoint_does_not_offer_a_resume(tmp_path):
+    """A run that failed before its first checkpoint: the refusal must not point at a
+    last.ckpt that does not exist."""
+    from omegaconf import OmegaConf
+
+    from remat.callbacks.run_dir import _refuse_overwrite
+
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "global_step": None}))
+    with pytest.raises(SystemExit, match=r"status 'failed'.*no checkpoint to resume.*pick "
+                                         r"another hydra.run.dir, or delete the folder"):
+        _refuse_overwrite(OmegaConf.create({}), str(tmp_path))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    with pytest.raises(SystemExit, match=r"resume it with ckpt_path=.*last.ckpt"):
+        _refuse_overwrite(OmegaConf.create({}), str(tmp_path))

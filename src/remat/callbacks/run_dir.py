@@ -137,11 +137,13 @@ def _refuse_overwrite(config: DictConfig, path: str | None) -> None:
     found = earlier_run(path)
     if found:
         release_run_dir(path)
+        last = Path(path).resolve() / "checkpoints" / "last.ckpt"
+        how = (f"resume it with ckpt_path={last}, or pick another hydra.run.dir"
+               if last.is_file() else "it has no checkpoint to resume (checkpoints/last.ckpt): "
+               "pick another hydra.run.dir, or delete the folder")
         raise SystemExit(
             f"error: output folder {Path(path).resolve()} already holds {found}. A new run "
-            "would overwrite its checkpoints and summary.json: resume it with "
-            f"ckpt_path={Path(path).resolve() / 'checkpoints' / 'last.ckpt'}, or pick another "
-            "hydra.run.dir")
+            f"would overwrite its checkpoints and summary.json: {how}")
 
 
 def _claim_or_exit(path: str | None) -> None:

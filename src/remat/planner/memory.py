@@ -70,8 +70,9 @@ def parse_memory(value: Any, device_memory: int | None = None,
     else:
         budget = int(number * _UNITS[unit])
     if budget < 2**20:
-        raise PlanInputError(f"{key}={value!r} is {budget} bytes, less than 1 MiB: give a size "
-                         "with a unit (12GiB), or a fraction of the device's memory (0.8)")
+        raise PlanInputError(f"{key}={value!r} is {budget} bytes, less than 1 MiB, which "
+                         "holds no training step: give a size such as 800MiB or 12GiB, or a "
+                         "fraction of the device's memory (0.8)")
     if device_memory is not None and device_memory > 0 and budget > device_memory:
         raise PlanInputError(f"{key}={value!r} ({budget / 2**30:.2f} GiB) is more than the "
                          f"device's memory ({device_memory / 2**30:.2f} GiB)")

@@ -10,8 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import remat.benchmarking as bench_module
-from remat.bench import _sizes, bench
+from remat.bench import bench
 from remat.benchmarking import _step, format_table, run_benchmark
+from remat.benchmarking import bench_sizes as _sizes
 from remat.measure import DeviceSlot, PeakMemory, ProfilerPeakMemory
 from remat.models import SegmentationModule, SequenceModule
 from remat.strategies import (

@@ -416,3 +416,9 @@ def test_compile_options_without_compile_are_ignored_with_a_warning(tmp_path, ca
 def test_bad_compile_settings_name_the_key(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         train(compose_train(tmp_path, [*TINY, *overrides]))
+
+
+def test_lora_on_a_model_without_adapters_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"model.lora: SegmentationModule .*does not train "
+                                         r"LoRA adapters.*model=hf_llama"):
+        train(compose_train(tmp_path, [*TINY, "+model.lora={r: 4, alpha: 8}"]))

@@ -20,9 +20,10 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch.utils.flop_counter import FlopCounterMode
 
+from remat import run_shape
 from remat.compiling import RowBackend, compile_row
 from remat.measure import (
     TOLERANCES,
@@ -391,6 +392,56 @@ class BudgetAtRow(BudgetStrategy):
             # (its units may be none the planner searches): it is the answer
             return copy.deepcopy(row), peak, budget
         return self.strategy_for(planned, budget, default_stages), peak, budget
+
+
+# image side (px) when data.image_size is null (configs/bench.yaml)
+DEFAULT_IMAGE_SIZE = 512
+
+
+def bench_sizes(cfg: DictConfig) -> tuple[str, list[int]]:
+    """The size key and its values: ``data.block_size`` for sequence models (default
+    ``model.block_size``), ``data.image_size`` for image models (default
+    :data:`DEFAULT_IMAGE_SIZE` px); one value or a list.
+
+    Raises:
+        ValueError: a missing size or one that is not an integer >= 1 (names the key); the
+            size key of the other model kind set (``data.image_size`` for a GPT,
+            ``data.block_size`` for an image model), naming both keys.
+    """
+    sequence = run_shape.is_sequence_model(cfg.model)
+    other, used = (("data.image_size", "data.block_size") if sequence
+                   else ("data.block_size", "data.image_size"))
+    if cfg.data.get(other.split(".")[1]) is not None:
+        kind = "sequence" if sequence else "image"
+        raise ValueError(f"bench: {other} does not apply to this {kind} model "
+                         f"(model._target_={cfg.model.get('_target_')}); set {used} instead")
+    if sequence:
+        key, value = "data.block_size", cfg.data.get("block_size")
+        if value is None:  # the model config's own fallback, as without a data.block_size
+            fallback = cfg.copy()
+            with open_dict(fallback):
+                del fallback.data["block_size"]
+            value = fallback.model.block_size
+    else:
+        key, value = "data.image_size", cfg.data.get("image_size")
+        patch = cfg.data.get("patch_size")
+        if value is None and patch is not None:  # a data config with patches (data=msd)
+            sides = (list(patch) if isinstance(patch, ListConfig | list | tuple) else [patch])
+            if len(set(sides)) != 1:
+                raise ValueError(f"bench: data.patch_size={OmegaConf.to_container(patch)} is "
+                                 "not cubic/square; the bench measures one side per size: set "
+                                 "data.image_size=<side> (a list for several)")
+            key, value = "data.patch_size", sides[0]
+        if value is None and int(cfg.model.get("spatial_dims", 2) or 2) == 3:
+            raise ValueError("bench: a 3D model needs its patch side: set data.image_size="
+                             "<voxels per side> (e.g. 64; a list for several)")
+        value = DEFAULT_IMAGE_SIZE if value is None else value
+    values = list(value) if isinstance(value, ListConfig | list | tuple) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+        raise ValueError(f"bench: {key} must be an integer >= 1 or a list of them, got "
+                         f"{shown!r}")
+    return key, [int(v) for v in values]
 
 
 def build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from remat import run_shape
 from remat.errors import unimportable_target
+from remat.models.checks import check_lora_supported
 from remat.strategies.stages import StageError
 
 #: The largest element count a tensor may have (torch indexes elements with int64).
@@ -131,6 +132,7 @@ def build_from_config(cfg: DictConfig) -> tuple[ModelBuilder, str, int, int | tu
         raise ValueError("no input size: set data.image_size or data.patch_size "
                          "(image models, px) or data.block_size (sequence models, tokens)")
     run_shape.check_spatial_dims(cfg.model, cfg.data)
+    check_lora_supported(cfg.model)
     size = OmegaConf.select(cfg, size_key)
     channels = int(cfg.model.get("in_channels", 1) or 1)
     batch_size, size = check_sizes(cfg.data.get("batch_size"), size, size_key, channels)

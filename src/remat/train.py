@@ -28,7 +28,12 @@ from remat.callbacks.run_dir import run_dir_claimed
 from remat.compiling import training_options
 from remat.config import check_top_level, config_dir
 from remat.errors import mark_in_loop, run_entry
-from remat.models.checks import check_checkpoint_fits, check_model_fits_data, check_monitor
+from remat.models.checks import (
+    check_checkpoint_fits,
+    check_lora_supported,
+    check_model_fits_data,
+    check_monitor,
+)
 from remat.planner import InfeasibleBudget, PlanInputError, PlanMismatch
 from remat.planner.run import plan_for_run, resumed_replay
 from remat.run_config import resume_args
@@ -99,6 +104,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 datamodule = instantiate(cfg.data)
                 datamodule.setup("fit")  # layout, splits, data check: before Lightning runs
                 ckpt_path, ckpt = checkpoint_to_resume(cfg)
+                check_lora_supported(cfg.model)
                 model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
                 if cfg.get("compile", False):
                     model.compile_net(training_options(cfg.get("compile_options")))

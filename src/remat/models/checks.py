@@ -3,6 +3,7 @@ checkpoint fit and resumed LR schedules."""
 
 from __future__ import annotations
 
+import inspect
 import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -280,3 +281,22 @@ def check_monitor(cfg: Any, model: Any) -> None:
         f"monitor={monitor} is not among the metrics this model logs in validation "
         f"({', '.join(logged)}); set monitor={best} monitor_mode="
         f"{'min' if best == 'val/loss' else 'max'}")
+
+
+def check_lora_supported(model_cfg: Any) -> None:
+    """Refuse ``model.lora`` for a model class that does not train LoRA adapters (its
+    ``__init__`` takes no ``lora``), before it is built.
+
+    Raises:
+        ValueError: naming ``model.lora``, the class and where LoRA is supported.
+    """
+    if not isinstance(model_cfg, Mapping) or model_cfg.get("lora") is None:
+        return
+    from hydra.utils import get_class
+
+    target = get_class(str(model_cfg.get("_target_")))
+    if "lora" not in inspect.signature(target.__init__).parameters:
+        raise ValueError(f"model.lora: {target.__name__} (model._target_="
+                         f"{model_cfg.get('_target_')}) does not train LoRA adapters; LoRA "
+                         "is for the sequence models (model=hf_llama, gpt_*): see "
+                         "docs/fine-tuning-lora.md")

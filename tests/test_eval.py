@@ -323,3 +323,16 @@ def test_per_image_callback_reads_step_outputs_and_skips_sanity_checks(tmp_path)
     assert "evaluate_batch" not in model.__dict__  # the recorder is gone after the run
     dice = trainer.callback_metrics["val/dice"].item()
     assert dice == pytest.approx(sum(float(r["dice"]) for r in rows) / 3, abs=1e-6)
+
+
+def test_the_resolution_said_is_the_grid_scored_on():
+    """Volumes resampled to data.pixdim are scored on that grid, not at native resolution."""
+    from types import SimpleNamespace
+
+    from remat.evaluation import resolution_of
+
+    assert resolution_of(SimpleNamespace(pixdim=[1.5, 1.5, 2.0])) == (
+        "resampled to 1.5x1.5x2 mm voxels (data.pixdim)")
+    assert resolution_of(SimpleNamespace(pixdim=None)) == "native resolution"
+    assert resolution_of(SimpleNamespace(image_size=256, resizes_for_eval=True)) == (
+        "256x256 px (resized)")

@@ -131,7 +131,12 @@ def finite_or_none(value: Any) -> float | None:
 
 def resolution_of(datamodule: Any) -> str:
     """``"native resolution"`` where the evaluation images are served whole at their own
-    size, else ``"<h>x<w> px (resized)"`` (datamodules that resize, as Kvasir-SEG's)."""
+    size, ``"<h>x<w> px (resized)"`` for datamodules that resize (as Kvasir-SEG's), and
+    ``"resampled to <x>x<y>x<z> mm voxels (data.pixdim)"`` for volumes resampled to a voxel
+    size (``data.pixdim``), where Dice is scored on that grid."""
+    pixdim = getattr(datamodule, "pixdim", None)
+    if pixdim is not None:
+        return f"resampled to {'x'.join(f'{v:g}' for v in pixdim)} mm voxels (data.pixdim)"
     size = getattr(datamodule, "image_size", None)
     if getattr(datamodule, "resizes_for_eval", False) and size is not None:
         height, width = size if isinstance(size, tuple | list) else (size, size)

@@ -73,7 +73,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from remat import _compat
 from remat.strategies import wrapping
 from remat.strategies.base import CheckpointStrategy, StrategyReport
-from remat.strategies.recompute import ChainPlan
+from remat.strategies.recompute import ChainPlan, draws_random_numbers
 from remat.strategies.stages import StageError, child_path
 
 
@@ -88,31 +88,12 @@ def _check_budget(budget: Any) -> float:
     return float(budget)
 
 
-def _value_of(node: torch.fx.Node, index: int, arg: Any) -> Any:
-    if arg.name in node.kwargs:
-        return node.kwargs[arg.name]
-    if not arg.kwarg_only and index < len(node.args):
-        return node.args[index]
-    return arg.default_value
-
-
 def _draws_random_numbers(node: torch.fx.Node) -> bool:
-    """An ATen op tagged ``nondeterministic_seeded`` that is not switched off by a zero
-    ``p``/``dropout_p`` or ``train=False`` (attention ops carry the tag even without
-    dropout)."""
+    """An ATen op call of the graph that draws random numbers
+    (:func:`remat.strategies.recompute.draws_random_numbers`)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, _compat.OpOverload):
-        return False
-    if torch.Tag.nondeterministic_seeded not in target.tags:
-        return False
-    for index, arg in enumerate(_compat.op_schema(target).arguments):
-        value = _value_of(node, index, arg)
-        if arg.name == "train" and value is False:
-            return False
-        if (arg.name in ("p", "dropout_p") and isinstance(value, numbers.Real)
-                and not isinstance(value, bool) and value == 0):
-            return False
-    return True
+    return (node.op == "call_function" and isinstance(target, _compat.OpOverload)
+            and draws_random_numbers(target, node.args, node.kwargs))
 
 
 _TINY_BUDGET = 1e-6  # stands for 0.0 where random ops must be kept (see _BudgetBackend)

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import numbers
 import sys
 import threading
 import warnings
@@ -648,7 +649,7 @@ def draws_random_numbers(op: Any, args: tuple, kwargs: dict) -> bool:
         value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
         if arg.name == "train" and value is False:
             return False
-        if (arg.name in ("p", "dropout_p") and isinstance(value, int | float)
+        if (arg.name in ("p", "dropout_p") and isinstance(value, numbers.Real)
                 and not isinstance(value, bool) and value == 0):
             return False
     return True

@@ -355,3 +355,66 @@ def test_a_folder_without_the_layout_says_what_it_expected(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"^data.root=\S+absent \(image folder\) does "
                                                 r"not exist\. Expected layout: images/"):
         FolderSegDataModule(tmp_path / "absent").setup()
+
+
+def test_the_data_check_of_split_all_names_all_splits(tmp_path, caplog):
+    """``remat.eval split=all`` serves every pair as one split: the check's title said
+    '(val split)'; it names what is scored, and the fit check names both splits."""
+    import logging
+
+    write_folder(tmp_path, n=4)
+    dm = FolderSegDataModule(tmp_path, patch_size=16, verify=True)
+    dm.eval_all = True
+    with caplog.at_level(logging.INFO, logger="remat"):
+        dm.setup("validate")
+    checks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data check")]
+    assert len(checks) == 1 and checks[0].startswith(
+        f"data check of image folder at {tmp_path} (all splits): 8 files decoded in ")
+    save(np.zeros((10, 10), dtype=np.uint8), tmp_path / "masks" / "case3.png")
+    bad = FolderSegDataModule(tmp_path, patch_size=16, verify=True)
+    bad.eval_all = True
+    with pytest.raises(DataCheckError) as info:
+        bad.setup("validate")
+    assert str(info.value).startswith(
+        f"data check of image folder at {tmp_path} (all splits): 1 of 8 files cannot be used")
+    fit = FolderSegDataModule(tmp_path, patch_size=16, verify=True)
+    with pytest.raises(DataCheckError) as info:
+        fit.setup("fit")
+    assert str(info.value).startswith(
+        f"data check of image folder at {tmp_path} (train and val splits): 1 of 8 files")
+
+
+def _pairs_csv(root: Path, rows: list[tuple[str, str, str]]) -> Path:
+    lines = ["image,mask,split"] + [",".join(row) for row in rows]
+    (root / "pairs.csv").write_text("\n".join(lines) + "\n")
+    return root / "pairs.csv"
+
+
+def test_a_missing_mask_is_listed_with_the_other_bad_files(tmp_path):
+    """A CSV row naming a mask that does not exist raised alone, before the data check
+    collected the other bad files; now every problem is in one listing."""
+    write_folder(tmp_path, n=4)
+    gone = tmp_path / "masks" / "case1.png"
+    gone.unlink()
+    empty = tmp_path / "images" / "case2.png"
+    empty.write_bytes(b"")
+    csv = _pairs_csv(tmp_path, [(f"images/case{i}.png", f"masks/case{i}.png",
+                                 "val" if i == 3 else "train") for i in range(4)])
+    dm = FolderSegDataModule(tmp_path, pairs=csv, patch_size=16, verify=True)
+    with pytest.raises(DataCheckError) as info:
+        dm.setup("fit")
+    message = str(info.value)
+    assert message.startswith(f"data check of image folder at {tmp_path} (train and val "
+                              "splits): 2 of 8 files cannot be used")
+    assert [p.path for p in info.value.problems] == [empty, gone]
+    assert f"  - {gone}: mask file not found; expected the mask of images/case1" in message
+    assert f"  - {empty}: empty file (0 bytes)" in message
+    # without the data check (data.verify=false) a missing file still stops setup, listed
+    # with every other missing one, before any batch is read
+    (tmp_path / "images" / "case3.png").unlink()
+    quick = FolderSegDataModule(tmp_path, pairs=csv, patch_size=16, verify=False)
+    with pytest.raises(DataCheckError) as info:
+        quick.setup("fit")
+    assert [p.path for p in info.value.problems] == [tmp_path / "images" / "case3.png", gone]
+    assert str(info.value).startswith(
+        f"image folder at {tmp_path} (train and val splits): 2 of 8 files are missing")

@@ -151,10 +151,53 @@ def test_layout_errors_name_the_file(tmp_path, task):
     meta = json.loads((task / "dataset.json").read_text())
     meta["training"].append({"image": "./imagesTr/gone.nii.gz", "label": "./labelsTr/gone.nii.gz"})
     (task / "dataset.json").write_text(json.dumps(meta))
-    with pytest.raises(FileNotFoundError, match=r"training image ./imagesTr/gone.nii.gz is "
-                                                r"missing"):
-        MSDDataModule(task, patch_size=[16, 16, 16]).setup("fit")
+    # the entry's files are looked for by the data check, which lists both
+    with pytest.raises(DataCheckError) as info:
+        MSDDataModule(task, patch_size=[16, 16, 16]).setup()
+    assert (f"{task / 'imagesTr' / 'gone.nii.gz'}: image file not found; expected the image "
+            f"of volume gone; {task / 'labelsTr' / 'gone.nii.gz'}: label file not found; "
+            "expected the label of volume gone") in str(info.value)
     with pytest.raises(ValueError, match=r"data.patch_size must be \[d, h, w\]"):
         MSDDataModule(task, patch_size=[16, 16])
     with pytest.raises(ValueError, match="data.num_classes=3 but"):
         MSDDataModule(task, num_classes=3)
+
+
+@pytest.mark.parametrize("entry,expected", [
+    ("./imagesTr/spleen_0.nii.gz", "is a str ('./imagesTr/spleen_0.nii.gz'), not an object"),
+    ({"image": "./imagesTr/spleen_0.nii.gz"}, "has no 'label'"),
+    ({"label": "./labelsTr/spleen_0.nii.gz"}, "has no 'image'"),
+    ({"image": 7, "label": "./labelsTr/spleen_0.nii.gz"}, "'image' is an int (7), not a path"),
+    ({"image": "./imagesTr/spleen_0.nii.gz", "label": ""}, "'label' is an empty string"),
+])
+def test_a_malformed_training_entry_is_named_by_its_index(task, entry, expected):
+    """A bad ``training`` entry said only that entries must be image/label objects; the
+    message names the file, the entry's index and what was expected."""
+    meta = json.loads((task / "dataset.json").read_text())
+    meta["training"].insert(3, entry)
+    (task / "dataset.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError) as info:
+        MSDDataModule(task, patch_size=[16, 16, 16])
+    assert str(info.value) == (
+        f"{task / 'dataset.json'}: training[3] {expected}; expected {{\"image\": "
+        "\"./imagesTr/<case>.nii.gz\", \"label\": \"./labelsTr/<case>.nii.gz\"}, paths "
+        "relative to the task folder")
+
+
+def test_a_missing_label_is_listed_with_the_other_bad_volumes(task):
+    """A training entry whose label file is missing raised alone (FileNotFoundError while
+    listing), before the data check collected the other bad volumes."""
+    gone = task / "labelsTr" / "spleen_1.nii.gz"
+    gone.unlink()
+    (task / "imagesTr" / "spleen_3.nii.gz").write_bytes(b"not a nifti file")
+    message = _refused(task, r"2 bad volume\(s\)")
+    assert message.startswith(f"MSD task at {task} (train and val splits): 2 bad volume(s): "
+                              f"{gone}: label file not found; expected the label of volume "
+                              f"spleen_1; {task / 'imagesTr' / 'spleen_3.nii.gz'}: not a "
+                              "readable NIfTI file")
+    # data.verify=false skips decoding, not the missing file: setup still names it
+    dm = MSDDataModule(task, patch_size=[16, 16, 16], pixdim=None, verify=False)
+    with pytest.raises(DataCheckError) as info:
+        dm.setup("fit")
+    assert str(info.value) == (f"MSD task at {task} (train and val splits): 1 of 8 volume "
+                               f"files are missing: {gone} (the label of volume spleen_1)")

@@ -266,3 +266,42 @@ def test_loading_volumes_logs_no_reader_attempts(tmp_path, caplog, suffix):
     with pytest.raises(RuntimeError, match="applying transform"):
         load({"image": str(root / "images" / f"case1{suffix}"),
               "label": str(root / "labels" / f"case1{suffix}")})
+
+
+def test_the_data_check_of_split_all_names_all_splits(tmp_path):
+    """``remat.eval split=all`` checked every volume under the title '(val split)'."""
+    root = write_volume_folder(tmp_path / "v", count=3)
+    labels = draw_labels((24, 24, 24), seed=1)
+    labels[0, 0, 0] = 5
+    bad = save_nifti(labels, affine_for((1, 1, 1)), root / "labels" / "case1.nii.gz")
+    dm = _dm(root)
+    dm.eval_all = True
+    with pytest.raises(DataCheckError) as info:
+        dm.setup("validate")
+    assert str(info.value) == (f"volume folder at {root} (all splits): 1 bad volume(s): {bad}: "
+                               "label values [5] are not among data.num_classes's classes 0..1")
+    with pytest.raises(DataCheckError, match=rf"^volume folder at {re.escape(str(root))} "
+                                             r"\(train and val splits\): 1 bad volume"):
+        _dm(root).setup("fit")
+
+
+def test_a_missing_label_in_the_csv_is_listed_with_the_other_bad_volumes(tmp_path):
+    """A CSV row naming a missing label raised alone (FileNotFoundError at listing); it is
+    one more line of the data check's listing now."""
+    flat = write_volume_folder(tmp_path / "flat", count=3)
+    gone = flat / "labels" / "case0.nii.gz"
+    gone.unlink()
+    (flat / "images" / "case2.nii.gz").write_bytes(b"not a nifti file")
+    with (flat / "pairs.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["image", "label", "split"])
+        for i in range(3):
+            writer.writerow([f"images/case{i}.nii.gz", f"labels/case{i}.nii.gz",
+                             "val" if i == 2 else "train"])
+    with pytest.raises(DataCheckError) as info:
+        _dm(flat, pairs="pairs.csv").setup("fit")
+    message = str(info.value)
+    assert message.startswith(f"volume folder at {flat} (train and val splits): 2 bad "
+                              f"volume(s): {gone}: label file not found; expected the label "
+                              f"of volume case0; {flat / 'images' / 'case2.nii.gz'}: not a "
+                              "readable NIfTI file")

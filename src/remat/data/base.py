@@ -25,7 +25,14 @@ from remat.data.layout import find_dataset_root, natural_key
 from remat.data.masks import IGNORE_INDEX
 from remat.data.pairs import IMAGE_MODES, ImageMaskPair, ImageReader, MaskDecoder
 from remat.data.splits import check_split, load_split_file
-from remat.data.verify import AUTO_MAX_FILES, should_verify, verify_pairs, verify_setting
+from remat.data.verify import (
+    AUTO_MAX_FILES,
+    check_files_exist,
+    should_verify,
+    splits_title,
+    verify_pairs,
+    verify_setting,
+)
 
 log = logging.getLogger(__name__)
 
@@ -281,10 +288,12 @@ class FileSegDataModule(SplitDataModule):
     def check_files(self, stage: str | None = None) -> None:
         """The data check (``data.verify``) of the splits ``stage`` reads (``fit``: train and
         val; ``validate``: val; ``test``: test, or val without one; None: all), each split at
-        most once.
+        most once. Its title names the splits (``all splits`` under ``eval_all``). Without
+        decoding (``data.verify=false``, or ``auto`` over the limit) the files are still
+        looked for, so a missing one stops the run here.
 
         Raises:
-            remat.data.verify.DataCheckError: bad files (every one listed).
+            remat.data.verify.DataCheckError: bad or missing files (every one listed).
         """
         wanted = _STAGE_SPLITS.get(stage, ())
         if stage == "test" and "test" not in self.splits:
@@ -294,14 +303,18 @@ class FileSegDataModule(SplitDataModule):
         if not pairs:
             return
         files = sum(len(p.files) for p in pairs)
+        covered = splits_title(todo, self.eval_all)
+        title = f"{self.title} at {self.dataset_root} ({covered})"
         if should_verify(self.verify, files):
-            verify_pairs(pairs, self.image_mode, self.mask_decoder(),
-                         title=f"{self.title} at {self.dataset_root} ({' and '.join(todo)} "
-                         "split)", image_reader=self.image_reader(),
+            verify_pairs(pairs, self.image_mode, self.mask_decoder(), title=title,
+                         image_reader=self.image_reader(),
                          splits={k: self.splits[k] for k in todo},
                          ignore_index=self.ignore_index, class_names=self.class_names)
-        elif self.verify == "auto":
-            log.info("data.verify=auto: the %s split of %s holds %d files (more than %d), so "
-                     "they are not checked before training; data.verify=true checks them",
-                     " and ".join(todo), self.title, files, AUTO_MAX_FILES)
+        else:
+            if self.verify == "auto":
+                log.info("data.verify=auto: %s (%s) holds %d files (more than %d), so they "
+                         "are not decoded before training (only looked for); "
+                         "data.verify=true checks them", self.title, covered, files,
+                         AUTO_MAX_FILES)
+            check_files_exist(pairs, title)
         self._verified.update(todo)

@@ -380,8 +380,11 @@ def read_pairs_csv(path: Path, mask_column: str = "mask",
         name_of: a pair's name from its image path when the row has no ``name``
             (default: the path without its suffix).
 
+    Files the CSV names are not looked for here: the datamodule's data check lists every
+    missing one with the other bad files.
+
     Raises:
-        FileNotFoundError: the CSV or a file it names is missing (names the row).
+        FileNotFoundError: the CSV is missing.
         ValueError: no ``image``/``mask`` header, an unknown split, or a name twice.
     """
     if not path.is_file():
@@ -399,10 +402,6 @@ def read_pairs_csv(path: Path, mask_column: str = "mask",
         for line, row in enumerate(reader, start=2):
             row = {k.strip().lower(): (v or "").strip() for k, v in row.items() if k}
             image, mask = path.parent / row["image"], path.parent / row[mask_column]
-            for kind, file in (("image", image), (mask_column, mask)):
-                if not file.is_file():
-                    raise FileNotFoundError(f"data.pairs={path} line {line}: the {kind} {file} "
-                                            "does not exist (paths are relative to the CSV)")
             name = row.get("name") or (name_of(row["image"]) if name_of is not None else
                                        str(PurePosixPath(row["image"]).with_suffix("")))
             if name in seen:
@@ -451,7 +450,7 @@ def list_folder_pairs(root: Path, images: str, masks: str, pairs_csv: Path | Non
 
     Raises:
         FileNotFoundError: ``root`` missing (names ``data.root``), no images, unpaired files,
-            a missing CSV or file.
+            a missing CSV (files a CSV names are looked for by the data check).
         ValueError: a glob without ``*``, two files of one name, a malformed CSV.
     """
     if pairs_csv is not None:
@@ -520,9 +519,9 @@ class FolderSegDataModule(PatchSegDataModule):
         ValueError: (at construction) a bad encoding, threshold, class count, colour,
             ``ignore_index`` or ``val_fraction``, naming the ``data.`` key; (in ``setup``) an
             unset root, an empty split or a layout that yields two files of one name.
-        FileNotFoundError: (in ``setup``) no images, unpaired files, a missing CSV or file.
-        remat.data.verify.DataCheckError: (in ``setup``) the data check found bad files or a
-            split without foreground.
+        FileNotFoundError: (in ``setup``) no images, unpaired files, a missing CSV.
+        remat.data.verify.DataCheckError: (in ``setup``) the data check found bad or missing
+            files (a CSV row naming a file that is not there) or a split without foreground.
     """
 
     title = "image folder"

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 MSD_LAYOUT = ("<root>/dataset.json, <root>/imagesTr/*.nii.gz, <root>/labelsTr/*.nii.gz "
               "(Medical Segmentation Decathlon)")
+#: what one ``training`` entry of ``dataset.json`` looks like, for messages
+TRAINING_ENTRY = ('{"image": "./imagesTr/<case>.nii.gz", "label": "./labelsTr/<case>.nii.gz"}, '
+                  "paths relative to the task folder")
 #: a NIfTI file's name without ``.nii.gz`` / ``.nii`` (``spleen_2.nii.gz`` -> ``spleen_2``)
 nifti_name = volume_name
 
@@ -56,7 +59,8 @@ def read_dataset_json(root: Path) -> dict[str, Any]:
         FileNotFoundError: no ``dataset.json`` (names ``data.root``, whether it exists, the
             task folders it holds, and the layout).
         ValueError: not JSON, or ``labels`` / ``training`` missing or malformed; names the
-            file.
+            file, and for a bad ``training`` entry its index (``training[3]``), what is wrong
+            with it and what an entry looks like.
     """
     path = root / "dataset.json"
     if not path.is_file():
@@ -84,10 +88,39 @@ def read_dataset_json(root: Path) -> dict[str, Any]:
     if values != list(range(len(values))):
         raise ValueError(f"{path}: 'labels' keys must be 0..K-1, got {values}")
     training = meta.get("training")
-    if not isinstance(training, list) or not training or not all(
-            isinstance(t, dict) and "image" in t and "label" in t for t in training):
-        raise ValueError(f"{path}: 'training' must list {{'image': ..., 'label': ...}} entries")
+    if not isinstance(training, list) or not training:
+        raise ValueError(f"{path}: 'training' must list entries {TRAINING_ENTRY}")
+    for index, entry in enumerate(training):
+        problem = _entry_problem(entry)
+        if problem is not None:
+            raise ValueError(f"{path}: training[{index}] {problem}; expected {TRAINING_ENTRY}")
     return meta
+
+
+def _described(value: Any) -> str:
+    """``"an int (7)"``, ``"a str ('x')"``, ``"null"``: a JSON value for messages."""
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({shown})"
+
+
+def _entry_problem(entry: Any) -> str | None:
+    """What is wrong with one ``training`` entry (``"has no 'label'"``), or None."""
+    if not isinstance(entry, dict):
+        return f"is {_described(entry)}, not an object"
+    absent = [key for key in ("image", "label") if key not in entry]
+    if absent:
+        return "has no " + " and no ".join(f"'{key}'" for key in absent)
+    for key in ("image", "label"):
+        value = entry[key]
+        if not isinstance(value, str):
+            return f"'{key}' is {_described(value)}, not a path"
+        if not value.strip():
+            return f"'{key}' is an empty string"
+    return None
 
 
 INFO_KEYS = ("num_classes", "class_names", "in_channels")
@@ -127,20 +160,16 @@ def _resolve(root: Path, entry: str) -> Path:
 
 def list_volume_pairs(root: Path, meta: Mapping[str, Any]) -> list[VolumePair]:
     """The ``training`` entries of ``dataset.json`` as :class:`VolumePair` (paths below
-    ``root``).
+    ``root``). Files are not looked for here: the data check lists every missing one with
+    the other bad volumes (:func:`remat.data.volume_seg.check_volume_pair`).
 
     Raises:
-        FileNotFoundError: an entry names a missing file (names it and the entry).
         ValueError: two entries give one name.
     """
     pairs: list[VolumePair] = []
     seen: set[str] = set()
     for entry in meta["training"]:
         image, label = _resolve(root, entry["image"]), _resolve(root, entry["label"])
-        for kind, path in (("image", image), ("label", label)):
-            if not path.is_file():
-                raise FileNotFoundError(f"{root / 'dataset.json'}: training {kind} "
-                                        f"{entry[kind]} is missing ({path})")
         name = nifti_name(image)
         if name in seen:
             raise ValueError(f"{root / 'dataset.json'}: two training entries are named {name}")
@@ -173,8 +202,9 @@ class MSDDataModule(VolumeSegDataModule):
     Raises:
         ValueError: bad settings (naming the ``data.`` key) or a malformed ``dataset.json``;
             at ``setup``, an empty split.
-        FileNotFoundError: no ``dataset.json`` or a file it names is missing.
-        remat.data.verify.DataCheckError: (at ``setup``) bad volumes.
+        FileNotFoundError: no ``dataset.json``.
+        remat.data.verify.DataCheckError: (at ``setup``) bad volumes, or files a
+            ``training`` entry names that are missing (listed together).
     """
 
     title = "MSD task"

@@ -40,6 +40,18 @@ class ImageMaskPair:
         return [self.image, self.mask] + ([self.valid] if self.valid is not None else [])
 
 
+# what a pair's file is, by its field, for messages
+_FILE_KINDS = {"image": "image", "mask": "mask", "valid": "region-of-interest mask"}
+
+
+def missing_file(pair: ImageMaskPair, key: str) -> DataFileError:
+    """The problem of the pair's file ``key`` (``image``, ``mask``, ``valid``) that does
+    not exist: ``"<path>: mask file not found; expected the mask of <name>"``."""
+    kind = _FILE_KINDS[key]
+    return DataFileError(path=getattr(pair, key), problem=f"{kind} file not found",
+                         expected=f"the {kind} of {pair.name}")
+
+
 def _read_mode(image_mode: str) -> ImageReadMode:
     if image_mode not in IMAGE_MODES:
         raise ValueError(f"data.image_mode must be one of {IMAGE_MODES}, got {image_mode!r}")
@@ -85,8 +97,7 @@ def _decode(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
         except (DataFileError, FileNotFoundError) as err:
             if problems is None:
                 raise
-            problems.append(err if isinstance(err, DataFileError) else DataFileError(
-                path=getattr(pair, key), problem="file not found", expected="the file"))
+            problems.append(err if isinstance(err, DataFileError) else missing_file(pair, key))
             out[key] = None
     image = out["image"]
     if image is not None:

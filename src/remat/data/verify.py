@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from remat.data.io import DataFileError
 from remat.data.layout import natural_key
-from remat.data.pairs import ImageMaskPair, ImageReader, MaskDecoder, inspect_pair
+from remat.data.pairs import ImageMaskPair, ImageReader, MaskDecoder, inspect_pair, missing_file
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,36 @@ def verify_setting(value: bool | str) -> bool | str:
 def should_verify(setting: bool | str, files: int) -> bool:
     """Whether to check ``files`` files under ``data.verify=setting``."""
     return setting is True or (setting == "auto" and files <= AUTO_MAX_FILES)
+
+
+def splits_title(splits: Sequence[str], every: bool = False) -> str:
+    """What a data check covers, for its title: ``"all splits"`` when ``every`` (``remat.eval
+    split=all`` serves every labelled pair as one split), else ``"val split"``,
+    ``"train and val splits"``."""
+    if every:
+        return "all splits"
+    return " and ".join(splits) + (" splits" if len(splits) > 1 else " split")
+
+
+def check_files_exist(pairs: Sequence[ImageMaskPair], title: str) -> None:
+    """The check that runs when the files are not decoded (``data.verify=false``, or
+    ``auto`` over :data:`AUTO_MAX_FILES` files): every file of ``pairs`` exists, so a file
+    a layout or ``data.pairs`` names but that is not there stops the run before training,
+    not mid-epoch.
+
+    Raises:
+        DataCheckError: one or more missing files; the message lists every one (natural
+            order of the paths): path, which file of which pair it is.
+    """
+    problems = [missing_file(pair, key) for pair in pairs
+                for key, path in (("image", pair.image), ("mask", pair.mask),
+                                  ("valid", pair.valid))
+                if path is not None and not path.is_file()]
+    if problems:
+        problems.sort(key=lambda p: natural_key(str(p.path)))
+        files = sum(len(pair.files) for pair in pairs)
+        raise DataCheckError(f"{title}: {len(problems)} of {files} files are missing:\n"
+                             + "\n".join(f"  - {p}" for p in problems), problems)
 
 
 def _label_problem(split: str, masks: int, counts: torch.Tensor, ignore_index: int,

@@ -36,7 +36,7 @@ from remat.data.base import SplitDataModule, check_limits
 from remat.data.layout import natural_key
 from remat.data.masks import IGNORE_INDEX
 from remat.data.splits import split_ids
-from remat.data.verify import DataCheckError, should_verify, verify_setting
+from remat.data.verify import DataCheckError, should_verify, splits_title, verify_setting
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,13 @@ def read_volume(path: Path, data: bool) -> tuple[tuple[int, ...], np.ndarray, np
     return tuple(img.shape), np.asarray(img.affine), values
 
 
+def missing_volume_files(pair: VolumePair) -> list[tuple[Path, str]]:
+    """The pair's files that do not exist, image first, each with its kind: ``(path,
+    "label")``."""
+    return [(path, kind) for kind, path in (("image", pair.image), ("label", pair.label))
+            if not Path(path).is_file()]
+
+
 def check_volume_pair(pair: VolumePair, classes: int, channels: int,
                       atol: float = 1e-3, source: str = "the task",
                       channel_source: str | None = None) -> str | None:
@@ -115,8 +122,14 @@ def check_volume_pair(pair: VolumePair, classes: int, channels: int,
             (``dataset.json``, ``data.num_classes``).
 
     Returns:
-        ``"<file>: <what is wrong>"`` with what was expected, or None.
+        ``"<file>: <what is wrong>"`` with what was expected (every missing file of the
+        pair: ``"<file>: label file not found; expected the label of volume <name>"``), or
+        None.
     """
+    missing = missing_volume_files(pair)
+    if missing:
+        return "; ".join(f"{path}: {kind} file not found; expected the {kind} of volume "
+                         f"{pair.name}" for path, kind in missing)
     try:
         shape, image_affine, _ = read_volume(pair.image, data=False)
         label_shape, label_affine, values = read_volume(pair.label, data=True)
@@ -427,12 +440,13 @@ class VolumeSegDataModule(SplitDataModule):
     # ---------------------------------------------------------------- setup
 
     def setup(self, stage: str | None = None) -> None:
-        """List and split the volumes, run the data check on the splits ``stage`` reads,
-        and build the datasets.
+        """List and split the volumes, build the datasets and run the data check on the
+        splits ``stage`` reads (titled ``all splits`` under ``eval_all``); without it
+        (``data.verify=false``, or ``auto`` over the limit) the files are still looked for.
 
         Raises:
             ValueError: no ``data.root``; ``fit`` without a train split.
-            remat.data.verify.DataCheckError: bad volumes.
+            remat.data.verify.DataCheckError: bad or missing volume files (every one listed).
         """
         if self.root is None:
             raise ValueError(self.root_hint)
@@ -463,10 +477,16 @@ class VolumeSegDataModule(SplitDataModule):
                 raise ValueError(f"{self.title} at {self.root}: no {key} split")
         todo = [k for k in wanted if k in self.splits and k not in self._verified]
         pairs = [self.pairs[n] for k in todo for n in self.splits[k]]
+        title = f"{self.title} at {self.root} ({splits_title(todo, self.eval_all)})"
         if pairs and should_verify(self.verify, 2 * len(pairs)):
-            verify_volumes(pairs, self.label_count, self.in_channels,
-                           f"{self.title} at {self.root} ({' and '.join(todo)} split)",
+            verify_volumes(pairs, self.label_count, self.in_channels, title,
                            self.source, self.channel_source)
+        elif pairs:  # not read: still looked for, so a missing file stops the run here
+            missing = sorted((f"{path} (the {kind} of volume {pair.name})" for pair in pairs
+                              for path, kind in missing_volume_files(pair)), key=natural_key)
+            if missing:
+                raise DataCheckError(f"{title}: {len(missing)} of {2 * len(pairs)} volume "
+                                     "files are missing: " + "; ".join(missing))
         self._verified.update(todo)
 
     # ---------------------------------------------------------------- prediction
@@ -505,4 +525,4 @@ class VolumeSegDataModule(SplitDataModule):
 
 __all__ = ["NIFTI_SUFFIXES", "VOLUME_SUFFIXES", "PredictVolumes", "VolumeDataset",
            "VolumePair", "VolumeSegDataModule", "check_volume_pair", "is_numpy",
-           "read_volume", "verify_volumes", "volume_name"]
+           "missing_volume_files", "read_volume", "verify_volumes", "volume_name"]

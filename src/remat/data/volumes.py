@@ -60,8 +60,9 @@ class VolumeFolderDataModule(VolumeSegDataModule):
         ValueError: (at construction) a bad class count, class names or channel count,
             naming the ``data.`` key; (at ``setup``) an unset root, a split without volumes,
             two files of one name, a malformed CSV.
-        FileNotFoundError: (at ``setup``) no images, unpaired files, a missing CSV or file.
-        remat.data.verify.DataCheckError: (at ``setup``) bad volumes.
+        FileNotFoundError: (at ``setup``) no images, unpaired files, a missing CSV.
+        remat.data.verify.DataCheckError: (at ``setup``) bad volumes, or files a CSV row
+            names that are missing (listed together).
     """
 
     title = "volume folder"

@@ -237,6 +237,12 @@ def check_spatial_dims(model: Any, data: Any, model_name: str | None = None,
         return
     dims, key, size = served
     m, d = _named("model", model_name, model), _named("data", data_name, data)
+    if model_dims == 3 and key == "data.patch_size" and isinstance(size, int):
+        # one side: as 2D data has it, but also a volume data config given a cube's side
+        raise ValueError(
+            f"{m} is a 3D network (model.spatial_dims=3) but {key}={size} is one side (2D "
+            f"patches); volumes (data=msd, data=volumes) take {key}=[d, h, w] voxels, e.g. "
+            f"'{key}=[{size},{size},{size}]'")
     if model_dims == 3:
         raise ValueError(
             f"{m} is a 3D network (model.spatial_dims=3) but {d} serves 2D images "

@@ -3,6 +3,7 @@ before training, never a raw convolution error mid-step."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,20 @@ def test_3d_network_on_images_names_both_keys_before_any_work(tmp_path: Path):
     assert not (tmp_path / "run" / "config.yaml").exists()  # refused before the run began
     with pytest.raises(ValueError, match=dims_error):  # remat.plan, estimate, strategy=budget
         build_from_config(cfg)
+
+
+def test_a_volume_patch_given_as_one_side_is_named_with_the_triple(tmp_path: Path):
+    """data=msd data.patch_size=32 (a cube's side, as MONAI's roi_size takes it) told the
+    user to 'use data=msd', the data they had chosen; it names the triple to write now."""
+    from remat.run_shape import check_spatial_dims
+
+    cfg = compose_train(tmp_path / "run", [*TINY_TRAINER, "model=monai_dynunet3d", "data=msd",
+                                           "data.root=x", "data.patch_size=32"])
+    with pytest.raises(ValueError, match=re.escape(
+            "model=monai_dynunet3d is a 3D network (model.spatial_dims=3) but "
+            "data.patch_size=32 is one side (2D patches); volumes (data=msd, data=volumes) "
+            "take data.patch_size=[d, h, w] voxels, e.g. 'data.patch_size=[32,32,32]'")):
+        check_spatial_dims(cfg.model, cfg.data, "monai_dynunet3d", "msd")
 
 
 def test_2d_network_on_volumes_fails_before_reading_them(tmp_path: Path):

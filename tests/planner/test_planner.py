@@ -559,3 +559,27 @@ def test_fixed_points_of_auto_stages_are_the_whole_network_s(gpt):
     assert all(label.endswith("(whole network)") for label in labels[1:]) and len(labels) > 2
     assert all(p.peak_bytes is not None and p.note in (None, "") for p in points), [
         (p.label, p.note) for p in points if p.peak_bytes is None]
+
+
+def test_references_on_stages_that_name_a_units_blocks_are_those_strategies(gpt):
+    """Default stages that name the blocks of a candidate chain one by one (DynUNet's
+    ``downsamples.*``, a chain the planner takes whole) make each block a chain of one: the
+    reference is the strategy as a run applies it, traced to the same peak and FLOPs. They
+    were kept blocks before (a tiny DynUNet's plan at ``full``'s peak missed ``full``)."""
+    from remat.strategies import build_strategy
+
+    planner, build = gpt
+    refs = dict(planner.references(["blocks.*"]))
+    n = len(planner.blocks["blocks"])
+    sqrtn = next(u for u in refs["sqrtn (default stages)"].units if u.path == "blocks")
+    assert sqrtn.segments == full_segments(n)  # one segment per block-stage, not sqrt(n)
+    # stages that are the whole network's units: no second set of the same plans
+    assert [u.path for u in planner.profile.units] == ["blocks"]
+    assert "sqrtn (default stages)" not in dict(planner.references(["blocks"]))
+    traced = planner.trace(PlanStrategy(refs["sqrtn (default stages)"]))
+    real = planner.trace(build_strategy("sqrtn"), lambda s: build(s, ["blocks.*"]),
+                         key="blocks.*")
+    assert traced.allocator_peak == real.allocator_peak and traced.step_flops == real.step_flops
+    # a stage inside a block, or naming nothing the planner has: no default-stage plans
+    for stages in (["blocks.0.attn"], ["nothing"]):
+        assert not any("default stages" in label for label, _ in planner.references(stages))

@@ -56,6 +56,7 @@ from remat.strategies.base import CheckpointStrategy
 from remat.strategies.none import NoCheckpoint
 from remat.strategies.registry import FIXED_POINTS, build_strategy
 from remat.strategies.segments import every_k_segments, sqrt_segments
+from remat.strategies.stages import path_matches
 
 log = logging.getLogger(__name__)
 
@@ -457,27 +458,63 @@ class Planner:
     def references(self, default_stages: Sequence[str] = ()) -> list[tuple[str, Plan]]:
         """The fixed strategies of :data:`remat.strategies.FIXED_POINTS` (``none`` aside:
         ``full``, ``sqrtn``, ``every_k`` k=2/4, ``selective``) written as plans of the
-        candidate units, each unit's segments those the strategy gives a chain of its
-        blocks (``segments_for``, in its ``segment_mode``), over the whole network and over
-        ``default_stages`` (those of them that are candidate units); labels
-        ``"<label> (whole network)"`` and ``"<label> (default stages)"``."""
+        candidate units, over the whole network and over ``default_stages``; labels
+        ``"<label> (whole network)"`` and ``"<label> (default stages)"``.
+
+        A stage that names a candidate unit gets the segments the strategy gives a chain of
+        its blocks (``segments_for``, in its ``segment_mode``); a stage that names a block of
+        a unit (``downsamples.*`` where ``downsamples`` is the unit) is a chain of one, one
+        segment of that block; other blocks are kept. Where a stage names neither (a module
+        inside a block, or one holding several units) or a block that is a chain itself
+        (the strategy would segment inside it), the default stages have no plan of these
+        units and only the whole-network references are returned."""
         whole = [u.path for u in self.profile.units]
-        sets = [("whole network", whole)]
-        chosen = [p for p in default_stages if p in whole]
-        if chosen and chosen != whole:
-            sets.append(("default stages", chosen))
+        sets = [("whole network", {p: None for p in whole})]
+        staged = self._staged_blocks(default_stages)
+        if staged is not None and staged != sets[0][1]:  # else the same plans as the whole
+            sets.append(("default stages", staged))
         fixed = [(label, build_strategy(name, **kwargs)) for label, name, kwargs in FIXED_POINTS
                  if name != "none"]
         out = []
-        for label, paths in sets:
+        for label, stages in sets:
             for name, strategy in fixed:
-                def segments(n: int, s: Any = strategy) -> list[tuple[int, int, str]]:
-                    return [(a, b, s.segment_mode) for a, b in s.segments_for(n)]
-
-                choice = {u.path: self._option(u.path, segments(len(u.blocks))
-                                               if u.path in paths else keep_segments(
-                                                   len(u.blocks))) for u in self.profile.units}
+                choice = {}
+                for u in self.profile.units:
+                    n = len(u.blocks)
+                    if u.path not in stages:
+                        segments = keep_segments(n)
+                    elif stages[u.path] is None:  # the unit is a stage
+                        segments = [(a, b, strategy.segment_mode)
+                                    for a, b in strategy.segments_for(n)]
+                    else:  # some of its blocks are stages, each a chain of one
+                        segments = [(i, i + 1, strategy.segment_mode if i in stages[u.path]
+                                     else "keep") for i in range(n)]
+                    choice[u.path] = self._option(u.path, segments)
                 out.append((f"{name} ({label})", self._plan_of(choice)))
+        return out
+
+    def _staged_blocks(self, stages: Sequence[str]) -> dict[str, set[int] | None] | None:
+        """Unit path -> None where a stage pattern names the unit, else the indices of its
+        blocks that one names (units no stage reaches are left out); None where a pattern
+        names no unit and no block, or names a block that is a chain itself."""
+        if not stages:
+            return None
+        out: dict[str, set[int] | None] = {}
+        for pattern in stages:
+            hit = False
+            for u in self.profile.units:
+                if path_matches(pattern, u.path):
+                    out[u.path], hit = None, True
+                    continue
+                for i, block in enumerate(u.blocks):
+                    if u.kind == "chain" and path_matches(pattern, block):
+                        if block in u.nested:
+                            return None
+                        hit = True
+                        if out.get(u.path, set()) is not None:
+                            out.setdefault(u.path, set()).add(i)
+            if not hit:
+                return None
         return out
 
     # -- search ------------------------------------------------------------------------

@@ -47,6 +47,8 @@ class Unit:
     path: str
     kind: str  # "chain" | "module"
     blocks: list[str]  # dotted paths of its blocks, in order
+    # blocks that are chains themselves: a stage naming one is segmented inside it
+    nested: tuple[str, ...] = ()
 
 
 @dataclass
@@ -149,7 +151,10 @@ def find_candidates(net: nn.Module, paths: Sequence[str] | None = None) -> list[
     units = []
     for name, module in found:
         if isinstance(module, CHAIN_TYPES):
-            units.append(Unit(name, "chain", [f"{name}.{n}" for n, _ in chain_members(module)]))
+            members = chain_members(module)
+            units.append(Unit(name, "chain", [f"{name}.{n}" for n, _ in members],
+                              tuple(f"{name}.{n}" for n, m in members
+                                    if isinstance(m, CHAIN_TYPES))))
         else:
             units.append(Unit(name, "module", [name]))
     if not units:

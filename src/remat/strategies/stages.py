@@ -25,8 +25,9 @@ class StageError(ValueError):
     """A stage path matched nothing, or matched a module the strategy cannot wrap."""
 
 
-def _matches(pattern: str, name: str) -> bool:
-    """Match per dotted component, so ``encoder.layer*`` does not reach ``encoder.layer1.0``."""
+def path_matches(pattern: str, name: str) -> bool:
+    """Whether stage ``pattern`` (dotted, ``fnmatch`` globs per component) names module path
+    ``name``; per component, so ``encoder.layer*`` does not reach ``encoder.layer1.0``."""
     p_parts, n_parts = pattern.split("."), name.split(".")
     return len(p_parts) == len(n_parts) and all(
         fnmatchcase(n, p) for p, n in zip(p_parts, n_parts, strict=True)
@@ -79,7 +80,7 @@ def resolve_stages(model: nn.Module, stages: Iterable[str]) -> list[tuple[str, n
     for pattern in stages:
         if not isinstance(pattern, str) or not pattern:
             raise StageError(f"stage paths must be non-empty strings, got {pattern!r}")
-        hits = [name for name in named if _matches(pattern, name)]
+        hits = [name for name in named if path_matches(pattern, name)]
         if not hits:
             close = difflib.get_close_matches(pattern, list(named), n=5, cutoff=0.5)
             hint = f"; close matches: {', '.join(close)}" if close else ""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -238,8 +238,37 @@ def sac_cache(forward_mode: Any) -> dict:
 _SEGMENT_IDS: dict[str, tuple[int, Any]] = {}
 
 
-class _SegmentCachingMode(_checkpoint._CachingTorchDispatchMode):
-    """A SAC forward context whose ``ac_graph_id`` is its segment's (see above)."""
+# --- what a random op's call keeps under torch.compile ------------------------------------
+# torch 2.13-2.14: the SAC forward context runs the op (AOTAutograd decomposes it there:
+# ``native_dropout`` becomes rand -> gt -> mul -> mul) and then tags *every* node the call
+# made with the policy's answer. A random op must not be recomputed (inductor's backward
+# draws other numbers), but MUST_SAVE on all of its nodes keeps the dropped-out tensor
+# itself (float) where its bool mask would do, and for an attention call with dropout
+# every intermediate of the decomposed kernel (the T x T scores). The context below keeps
+# MUST_SAVE on the nodes that draw random numbers and those computed from them alone (the
+# mask), and gives the call's other nodes the region's own policy for the op, so the
+# partitioner saves the mask and recomputes the rest. Retired with functionalised RNG on
+# CPU (``torch._functorch.config.functionalize_rng_ops``, CUDA only in 2.14).
+
+
+def _draws_random(node: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def random_closure(nodes: Sequence[Any]) -> set:
+    """Of ``nodes`` (fx nodes of one call, in graph order): those that draw random numbers
+    and those computed from them alone (a dropout's mask: rand -> gt)."""
+    closure: set = set()
+    for node in nodes:
+        inputs = node.all_input_nodes
+        if _draws_random(node) or (inputs and all(i in closure for i in inputs)):
+            closure.add(node)
+    return closure
+
+
+class _RegionCachingMode(_checkpoint._CachingTorchDispatchMode):
+    """A SAC forward context whose ``ac_graph_id`` is its segment's, and whose random ops
+    keep their masks only (see the two notes above)."""
 
     @property
     def ac_graph_id(self) -> Any:
@@ -254,6 +283,51 @@ class _SegmentCachingMode(_checkpoint._CachingTorchDispatchMode):
                 value = last[1]  # a later call of the segment: the segment's region
             _SEGMENT_IDS[key] = (position, value)
         self.__dict__["_segment_graph_id"] = value
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = {} if kwargs is None else kwargs
+        random_op, rest = self.__dict__.get("_random_op"), self.__dict__.get("_rest_policy")
+        proxy = None
+        if random_op is not None and random_op(func, args, kwargs):
+            from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+            proxy = get_proxy_mode()
+        before = len(proxy.tracer.graph.nodes) if proxy is not None else 0
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if proxy is not None:
+            nodes = list(proxy.tracer.graph.nodes)[before:]
+            keep = random_closure(nodes)
+            ctx = _checkpoint.SelectiveCheckpointContext(is_recompute=False, op_output=out)
+            policy = rest(ctx, func, *args, **kwargs)
+            if isinstance(policy, bool):
+                policy = (_checkpoint.CheckpointPolicy.MUST_SAVE if policy
+                          else _checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
+            for node in nodes:
+                if (node not in keep and node.meta.get("recompute")
+                        is _checkpoint.CheckpointPolicy.MUST_SAVE):
+                    node.meta["recompute"] = policy
+        return out
+
+
+def region_context(forward_mode: Any, segment: str | None, position: int,
+                   random_op: Callable[[Any, tuple, dict], bool] | None = None,
+                   rest_policy: Callable[..., Any] | None = None) -> None:
+    """Make ``forward_mode`` (a SAC forward context) one compiled region's: its nodes carry
+    the region id of ``segment`` (the id of its first call at a lower ``position`` in the
+    same trace; ``segment=None``: the call's own id); where ``random_op(func, args,
+    kwargs)`` says a call draws random numbers (the mode's policy makes those MUST_SAVE),
+    only the nodes that draw them and those computed from them alone stay MUST_SAVE, the
+    call's other nodes get ``rest_policy``'s answer for the op (see above). A forward
+    context of another kind is left as it is."""
+    if type(forward_mode) is not _checkpoint._CachingTorchDispatchMode:
+        return
+    forward_mode.__class__ = _RegionCachingMode
+    forward_mode.__dict__["_segment_graph_id"] = forward_mode.__dict__.pop("ac_graph_id", None)
+    forward_mode.__dict__["_segment"] = (segment, position)
+    if random_op is not None and rest_policy is not None:
+        forward_mode.__dict__["_random_op"] = random_op
+        forward_mode.__dict__["_rest_policy"] = rest_policy
 
 
 class _ContextFnNotice(logging.Filter):
@@ -282,18 +356,6 @@ def prefer_recompute_contexts() -> tuple:
 
 def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return _checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def join_segment(forward_mode: Any, segment: str | None, position: int) -> None:
-    """Tag the nodes of a call traced under ``forward_mode`` (a SAC forward context) with
-    the region id of ``segment`` (the id of its first call at a lower ``position`` in the
-    same trace; see above); ``segment=None``: the call's own id. A forward context of
-    another kind is left as it is."""
-    if segment is None or type(forward_mode) is not _checkpoint._CachingTorchDispatchMode:
-        return
-    forward_mode.__class__ = _SegmentCachingMode
-    forward_mode.__dict__["_segment_graph_id"] = forward_mode.__dict__.pop("ac_graph_id", None)
-    forward_mode.__dict__["_segment"] = (segment, position)
 
 
 def _current_user_hooks() -> Any:

@@ -406,6 +406,63 @@ def test_compiled_regions_keep_the_outputs_of_ops_that_draw_random_numbers():
                                                       CheckpointPolicy.MUST_RECOMPUTE)
 
 
+class MidDropout(nn.Module):
+    """A block whose dropout feeds its second layer (its output is that layer's input)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def _decomposing_backend():
+    """AOTAutograd with inductor's partitioner and its decomposition of dropout (rand ->
+    gt -> mul), no code generation: what inductor's partitioner sees, in a second."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._decomp import get_decompositions
+    from torch._dynamo.backends.common import aot_autograd
+
+    def run(graph, _):
+        return make_boxed_func(graph.forward)
+
+    return aot_autograd(fw_compiler=run, bw_compiler=run,
+                        partition_fn=min_cut_rematerialization_partition,
+                        decompositions=get_decompositions([torch.ops.aten.native_dropout]))
+
+
+@pytest.mark.parametrize("strategy,segments", [("full", 4), ("sqrtn", 2)])
+def test_compiled_regions_keep_a_dropouts_mask_not_its_output(strategy, segments):
+    """A compiled region keeps what dropout drew as its bool mask (1 byte an element) and
+    recomputes the masked output from it: it kept the float output (4 bytes) as well
+    (96 against 32 units of x here for ``full``), and for an attention call with dropout
+    every intermediate of its decomposed kernel. The masks are the forward's (no new draw
+    in the backward): gradients equal compiled ``none``'s, the same draws."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = nn.Sequential(*[MidDropout(0.5) for _ in range(4)])
+    x = torch.randn(32, WIDTH)
+    model = nn.Sequential(copy.deepcopy(base)).train()
+    build_strategy(strategy).apply(model, ["0"])
+    compiled = torch.compile(model, backend=_decomposing_backend())
+    compiled(x).sum().backward()
+    one = x.numel() * x.element_size()
+    masks = 4 * (4 * x.numel())  # bool, each block's dropout over 4 * WIDTH features
+    assert _saved_activation_bytes(compiled, x) == segments * one + masks
+    ref = torch.compile(nn.Sequential(copy.deepcopy(base)).train(),
+                        backend=_decomposing_backend())
+    grads = []
+    for m in (ref, compiled):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        m(x).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # one inductor compile of a 12-block ViT (about 40 s on 2 cores)
 def test_inductor_plan_with_stochastic_depth_gives_eager_gradients():
     """A compiled plan whose selective blocks draw stochastic-depth masks, in float64 (so

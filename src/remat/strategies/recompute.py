@@ -673,19 +673,24 @@ def compiled_region_contexts(context_fn: Callable[[], tuple] | None, segment: st
       numbers its own forward kernels drew (a ViT with stochastic depth, compiled with
       inductor, plan of selective and kept blocks: gradients 2.2 relative error off
       eager's; torch's partitioner under a memory budget has the same fault,
-      pytorch/pytorch#190758); the ``compile`` strategy keeps them for the same reason;
+      pytorch/pytorch#190758); the ``compile`` strategy keeps them for the same reason.
+      Only the random numbers and what is computed from them alone are kept (a dropout's
+      bool mask, :func:`remat._compat.region_context`), the rest of the op's call is
+      recomputed (kept whole, a dropout kept its float output, and an attention call with
+      dropout every intermediate of its decomposed kernel);
     - for a member of a segment of several blocks (``segment``, its chain ``position``),
-      the segment's region id (:func:`remat._compat.join_segment`): the partitioner would
+      the segment's region id (:func:`remat._compat.region_context`): the partitioner would
       keep every value passed between two checkpointed calls, every block's input, as
       ``full`` does (compiled ``sqrtn`` kept ``full``'s inputs: 96.6 against 71.4 MiB
       eager on a 36-block MLP; 71.1 with one region per segment)."""
     forward_mode, recompute_mode = (context_fn() if context_fn is not None
                                     else _compat.prefer_recompute_contexts())
+    rest = getattr(forward_mode, "policy_fn", None)
     for mode in (forward_mode, recompute_mode):
         policy = getattr(mode, "policy_fn", None)
         if policy is not None:
             mode.policy_fn = functools.partial(_keep_random, policy)
-    _compat.join_segment(forward_mode, segment, position)
+    _compat.region_context(forward_mode, segment, position, draws_random_numbers, rest)
     return forward_mode, recompute_mode
 
 

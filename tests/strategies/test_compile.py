@@ -463,6 +463,57 @@ def test_compiled_regions_keep_a_dropouts_mask_not_its_output(strategy, segments
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+class CausalAttention(nn.Module):
+    """Self-attention through SDPA with attention dropout, residual."""
+
+    def __init__(self, width=64, heads=4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.2 if self.training else 0.0, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_compiled_attention_with_dropout_keeps_its_mask_and_recomputes_the_rest():
+    """Compiled (inductor's decompositions), SDPA with dropout is one random call whose
+    every intermediate was kept by a recomputing region: ``full`` kept 0.59x and
+    ``selective`` 1.11x what compiled ``none`` keeps. Now the T x T mask stays and the
+    rest is recomputed, with compiled ``none``'s gradients (the same draws)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    def run(graph, _):
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(fw_compiler=run, bw_compiler=run, decompositions=select_decomp_table(),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.manual_seed(0)
+    base = nn.Sequential(*[CausalAttention() for _ in range(3)])
+    x = torch.randn(2, 128, 64)
+    saved, grads = {}, {}
+    for strategy in ("none", "full", "selective"):
+        torch._dynamo.reset()
+        model = nn.Sequential(copy.deepcopy(base)).train()
+        if strategy != "none":
+            build_strategy(strategy).apply(model, ["0"])
+        compiled = torch.compile(model, backend=backend)
+        compiled(x).sum().backward()
+        saved[strategy] = _saved_activation_bytes(compiled, x)
+        compiled.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        compiled(x).sum().backward()
+        grads[strategy] = [p.grad for p in compiled.parameters()]
+    assert saved["full"] < 0.3 * saved["none"] and saved["selective"] < saved["none"]
+    for strategy in ("full", "selective"):
+        for got, want in zip(grads[strategy], grads["none"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # one inductor compile of a 12-block ViT (about 40 s on 2 cores)
 def test_inductor_plan_with_stochastic_depth_gives_eager_gradients():
     """A compiled plan whose selective blocks draw stochastic-depth masks, in float64 (so

@@ -152,16 +152,19 @@ def random_modules(net: torch.nn.Module) -> list[str]:
 def warn_random_ops_kept(net: torch.nn.Module, recomputes: bool,
                          log: Any) -> list[str]:
     """Log, for a network about to be compiled by ``compile=true`` under a strategy that
-    recomputes, that its dropout / stochastic-depth modules keep their outputs in the
+    recomputes, that its dropout / stochastic-depth modules keep their masks in the
     recomputed regions (for gradients equal to eager's: module docstring of
-    :mod:`remat.strategies.recompute`), so the compiled step can peak above the eager plan
-    (``gpt_small``, 512 tokens, batch 2, dropout 0.1, CPU: compiled ``full`` 285.5 MiB,
-    eager 143.4 MiB). Returns the modules named."""
+    :mod:`remat.strategies.recompute`), one byte per element dropped, so the compiled step
+    peaks above the same strategy eager (``gpt_small``, 512 tokens, batch 2, dropout 0.1,
+    CPU: compiled ``full`` 185.4 MiB, eager 143.4 MiB). The run's estimate and a
+    ``strategy=budget`` plan made with ``compile=true`` count them
+    (:func:`remat.strategies.recompute.trace_as_compiled`). Returns the modules named."""
     found = random_modules(net) if recomputes else []
     if found:
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         log.warning("compile=true: %s draw random numbers in training; compiled, each "
-                    "recomputed segment keeps their outputs (recomputed, they would draw other "
-                    "numbers), so the step can peak above the eager plan and estimate. Set "
-                    "their probability to 0 for the planned peak, or train eager", shown)
+                    "recomputed segment keeps their masks until its backward (recomputed, "
+                    "they would draw other numbers): the step peaks above the same strategy "
+                    "eager. The estimate and strategy=budget count them; a plan made without "
+                    "compile=true (remat.plan ... compile=false) does not", shown)
     return found

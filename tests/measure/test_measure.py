@@ -200,7 +200,8 @@ def test_a_planned_run_above_its_budget_warns_naming_both(caplog):
 
     from remat.callbacks.memory import over_budget
 
-    plan = SimpleNamespace(budget_bytes=226 * 2**20, predicted_allocator_peak_bytes=223 * 2**20)
+    plan = SimpleNamespace(budget_bytes=226 * 2**20, predicted_allocator_peak_bytes=223 * 2**20,
+                           compiled=True)
     module = SimpleNamespace(strategy=SimpleNamespace(plan=plan), compiled=True)
     with caplog.at_level("WARNING", logger="remat"):
         assert over_budget(module, 226 * 2**20) is None  # at the budget: fine
@@ -209,6 +210,10 @@ def test_a_planned_run_above_its_budget_warns_naming_both(caplog):
     assert "measured peak 238.0 MiB is above the budget 226.0 MiB" in caplog.text
     assert note in caplog.text  # summary.json's peak_memory_note
     assert "predicted 223.0 MiB" in caplog.text and "compile=false" in caplog.text
+    # a plan made for the eager step (gpt_small 512 tokens, dropout 0.1: 333.0 MiB compiled
+    # for a 300 MiB plan; planned with compile=true, 299.0): says to plan for the compiled one
+    plan.compiled = False
+    assert "plan with compile=true" in over_budget(module, 238 * 2**20)
     caplog.clear()
     with caplog.at_level("WARNING", logger="remat"):  # no plan: nothing to compare with
         assert over_budget(SimpleNamespace(strategy=SimpleNamespace()), 10**12) is None

@@ -583,3 +583,66 @@ def test_references_on_stages_that_name_a_units_blocks_are_those_strategies(gpt)
     # a stage inside a block, or naming nothing the planner has: no default-stage plans
     for stages in (["blocks.0.attn"], ["nothing"]):
         assert not any("default stages" in label for label, _ in planner.references(stages))
+
+
+def test_kept_draw_bytes_are_what_a_compiled_region_keeps():
+    """A dropout's mask is one byte an element (bool, also behind eager's bernoulli_ of
+    floats), an attention kernel's one per score; other draws keep their output."""
+    from remat.strategies.recompute import kept_draw_bytes
+
+    aten = torch.ops.aten
+    x = torch.randn(4, 8)
+    assert kept_draw_bytes(aten.native_dropout.default, (x, 0.1, True),
+                           (x, x > 0)) == 32
+    assert kept_draw_bytes(aten.bernoulli_.float, (x, 0.9), x) == 32
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 24, 8)
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert kept_draw_bytes(sdpa, (q, k, k, 0.1), (q,)) == 2 * 4 * 16 * 24
+    assert kept_draw_bytes(aten.randn.default, ([3, 3],), torch.randn(3, 3)) == 36
+
+
+def test_a_compiled_trace_holds_the_dropout_masks_of_recomputed_blocks(tmp_path):
+    """``compile=true`` plans (``Planner(compiled=True)``) trace eager steps whose recomputed
+    regions hold, until their backward, what the compiled regions keep of their draws: the
+    masks of the tiny GPT's attention (B x H x T x T) and of its two residual dropouts
+    (B x T x C) per block. ``full`` peaks by at least two blocks' masks more (the peak falls
+    during the backward, when the first blocks' masks are still held), at most all four;
+    none recomputes nothing and does not change."""
+    from remat.strategies import build_strategy
+
+    batch, size = 2, 256
+    cfg = compose_config("estimate", tmp_path, ["model=gpt_tiny", "device=cpu",
+                                                f"data.batch_size={batch}",
+                                                f"+data.block_size={size}"])
+    build, _, batch, size = build_from_config(cfg)
+    heads, width, blocks = cfg.model.n_head, cfg.model.n_embd, cfg.model.n_layer
+    masks = batch * heads * size * size + 2 * batch * size * width  # bytes, one block
+
+    def peak(strategy, compiled):
+        from remat.strategies.recompute import trace_as_compiled
+
+        def built():
+            trace_as_compiled(compiled)
+            return build.with_strategy(strategy)
+
+        return trace_step(built, batch, size, torch.device("cpu"), "32-true")[1].peak_bytes
+
+    full = build_strategy("full")
+    extra = peak(full, True) - peak(full, False)
+    assert 2 * masks <= extra <= blocks * masks
+    assert peak(NoCheckpoint(), True) == peak(NoCheckpoint(), False)
+
+
+def test_a_plan_for_compile_true_is_not_reused_for_an_eager_run():
+    """The request a plan is saved with records ``compile``: resuming with the other value
+    plans again; a plan saved before the key existed counts as eager."""
+    from remat.planner.budget import BudgetStrategy
+
+    budget = BudgetStrategy("300MiB", device="cpu")
+    saved = budget.request(["blocks"], compiled=True)
+    assert saved["compiled"] is True
+    assert budget.differences(saved, ["blocks"], compiled=True) == []
+    assert budget.differences(saved, ["blocks"], compiled=False) == ["compile: True -> False"]
+    older = {k: v for k, v in budget.request(["blocks"]).items() if k != "compiled"}
+    assert budget.differences(older, ["blocks"]) == []
+    assert budget.differences(older, ["blocks"], compiled=True) == ["compile: False -> True"]

@@ -32,11 +32,18 @@ def over_budget(pl_module: L.LightningModule, peak_bytes: int) -> str | None:
     if not budget or peak_bytes <= budget:
         return None
     predicted = getattr(plan, "predicted_allocator_peak_bytes", None)
+    for_compiled = bool(getattr(plan, "compiled", False))
+    hint = ""
+    if getattr(pl_module, "compiled", False):
+        hint = ("; the network is compiled: try compile=false, or a lower strategy.memory"
+                if for_compiled else
+                "; the network is compiled and the plan was made for an eager step (it "
+                "does not count the dropout masks compiled segments keep): plan with "
+                "compile=true (strategy=budget ... compile=true, or python -m remat.plan "
+                "... compile=true)")
     note = (f"measured peak {format_bytes(peak_bytes)} is above the budget "
             f"{format_bytes(budget)} the plan was made for (predicted "
-            f"{format_bytes(predicted)}): this run needs more than planned"
-            + ("; the network is compiled: try compile=false, or a lower strategy.memory"
-               if getattr(pl_module, "compiled", False) else ""))
+            f"{format_bytes(predicted)}): this run needs more than planned" + hint)
     log.warning(note)
     return note
 

@@ -69,6 +69,7 @@ class RunReport(L.Callback):
     def _estimate(self, trainer: L.Trainer, pl_module: L.LightningModule
                   ) -> tuple[dict[str, Any] | None, str | None]:
         from remat.measure.trace import Estimate, materialize, meta_clone, trace_step
+        from remat.strategies.recompute import trace_as_compiled
 
         shape = shape_of(trainer.datamodule, getattr(pl_module, "hparams", None))
         if shape.batch_size is None or shape.size is None:
@@ -91,7 +92,12 @@ class RunReport(L.Callback):
                           f"({type(err).__name__}: {str(err).splitlines()[0][:300]})")
         skeleton.scheduler_factory = None  # one step; the scheduler needs the trainer
 
+        compiled = (getattr(pl_module, "compile_options", None) is not None
+                    or bool(getattr(pl_module, "compiled", False)))  # compile=true
+
         def build() -> torch.nn.Module:
+            # compile=true: recomputed regions hold what compiled ones keep of dropout's draws
+            trace_as_compiled(compiled)
             return materialize(skeleton, pl_module.device)
 
         try:
@@ -105,6 +111,8 @@ class RunReport(L.Callback):
                                     precision, accumulate_grad_batches=accumulate)
         except Exception as err:  # noqa: BLE001 - reported as a note, never raised
             return None, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        finally:  # traced in this process where CUDA is up: no flag left set
+            trace_as_compiled(False)
         est = Estimate(strategy=name, precision=precision, device=pl_module.device.type,
                        batch_size=shape.batch_size, size=shape.size, size_key=shape.size_key,
                        accumulate_grad_batches=accumulate,

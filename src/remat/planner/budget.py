@@ -22,7 +22,7 @@ _REQUEST_KEYS = (("budget_bytes", "strategy.memory"), ("device", "strategy.devic
                  ("margin", "strategy.margin"), ("units", "strategy.units"),
                  ("objective", "strategy.objective"), ("calibrate", "strategy.calibrate"),
                  ("max_traces", "strategy.max_traces"), ("temporaries", "strategy.temporaries"),
-                 ("default_stages", "model.stages"),
+                 ("default_stages", "model.stages"), ("compiled", "compile"),
                  ("reshard_after_forward", "trainer.strategy.reshard_after_forward"))
 
 
@@ -79,47 +79,53 @@ class BudgetStrategy(CheckpointStrategy):
                 size: Any, precision: str, accumulate_grad_batches: int = 1,
                 default_stages: Sequence[str] = (), world_size: int = 1,
                 reshard_after_forward: bool = True,
-                size_key: str | None = None) -> PlanStrategy:
+                size_key: str | None = None, compiled: bool = False) -> PlanStrategy:
         """Plan for this budget and return the strategy that applies the plan (its
         ``planned`` attribute holds the :class:`~remat.planner.Planned` result). With
         ``world_size > 1`` the budget is one FSDP2 rank's (``trainer=fsdp``); ``size_key``
-        names the size's config key in the messages (:class:`~remat.planner.Planner`).
+        names the size's config key in the messages; ``compiled``: plan for the step
+        ``compile=true`` runs (both: :class:`~remat.planner.Planner`).
 
         Raises:
             remat.planner.InfeasibleBudget: no plan fits (what would fit is in the message).
         """
         planned = make_plan(build, batch_size, size, self.budget_bytes, precision,
                             **self._planner_kwargs(accumulate_grad_batches, default_stages,
-                                                   world_size, reshard_after_forward, size_key))
+                                                   world_size, reshard_after_forward, size_key,
+                                                   compiled))
         return self.strategy_for(planned, self.budget_bytes, default_stages,
-                                 reshard_after_forward)
+                                 reshard_after_forward, compiled)
 
     def _planner_kwargs(self, accumulate_grad_batches: int, default_stages: Sequence[str],
                         world_size: int, reshard_after_forward: bool,
-                        size_key: str | None) -> dict[str, Any]:
+                        size_key: str | None, compiled: bool = False) -> dict[str, Any]:
         return {"device": self.spec, "units": self.units, "margin": self.margin,
                 "max_traces": self.max_traces, "objective": self.objective,
                 "default_stages": default_stages, "calibrate": self.calibrate,
                 "accumulate_grad_batches": accumulate_grad_batches, "world_size": world_size,
                 "reshard_after_forward": reshard_after_forward,
-                "temporaries": self.temporaries, "size_key": size_key}
+                "temporaries": self.temporaries, "size_key": size_key,
+                "compiled": bool(compiled)}
 
     def planner(self, build: Callable[[CheckpointStrategy], nn.Module], batch_size: int,
                 size: Any, precision: str, accumulate_grad_batches: int = 1,
                 default_stages: Sequence[str] = (), world_size: int = 1,
-                reshard_after_forward: bool = True, size_key: str | None = None) -> Planner:
+                reshard_after_forward: bool = True, size_key: str | None = None,
+                compiled: bool = False) -> Planner:
         """The :class:`~remat.planner.Planner` of this request for one run shape (arguments
         as :meth:`planned`); it profiles the model once."""
         return Planner(build, batch_size, size, precision,
                        **self._planner_kwargs(accumulate_grad_batches, default_stages,
-                                              world_size, reshard_after_forward, size_key))
+                                              world_size, reshard_after_forward, size_key,
+                                              compiled))
 
     def strategy_for(self, planned: Any, budget_bytes: int,
                      default_stages: Sequence[str] = (),
-                     reshard_after_forward: bool = True) -> PlanStrategy:
+                     reshard_after_forward: bool = True,
+                     compiled: bool = False) -> PlanStrategy:
         """The strategy that applies ``planned`` (a :class:`~remat.planner.Planned` result
         for ``budget_bytes``; kept as its ``planned`` attribute), its request recorded."""
-        request = self.request(default_stages, reshard_after_forward)
+        request = self.request(default_stages, reshard_after_forward, compiled)
         request["budget_bytes"] = int(budget_bytes)
         plan = planned.plan
         log.info("plan for %s on %s (%.1f s): predicted peak %s (allocator; tensors %s, "
@@ -136,28 +142,31 @@ class BudgetStrategy(CheckpointStrategy):
         return strategy
 
     def request(self, default_stages: Sequence[str] = (),
-                reshard_after_forward: bool = True) -> dict[str, Any]:
+                reshard_after_forward: bool = True, compiled: bool = False) -> dict[str, Any]:
         """What this budget asks the planner for, as plain data: the budget in bytes, the
         device's name and every search setting, with the model's default stages (candidate
-        plans) and, for FSDP2, ``reshard_after_forward``. A plan saved in a checkpoint is
-        reused on resume only for the same request (:meth:`differences`)."""
+        plans), for FSDP2 ``reshard_after_forward``, and whether the step is compiled
+        (``compile=true``). A plan saved in a checkpoint is reused on resume only for the
+        same request (:meth:`differences`)."""
         return {"budget_bytes": int(self.budget_bytes), "device": self.spec.name,
                 "margin": self.margin, "units": self.units, "objective": self.objective,
                 "calibrate": self.calibrate, "max_traces": self.max_traces,
                 "temporaries": self.temporaries, "default_stages": list(default_stages),
-                "reshard_after_forward": bool(reshard_after_forward)}
+                "reshard_after_forward": bool(reshard_after_forward),
+                "compiled": bool(compiled)}
 
     def differences(self, saved: dict[str, Any] | None, default_stages: Sequence[str] = (),
-                    reshard_after_forward: bool = True) -> list[str]:
+                    reshard_after_forward: bool = True, compiled: bool = False) -> list[str]:
         """How this budget's :meth:`request` differs from ``saved`` (a checkpoint's), one
         ``<config key>: <saved> -> <now>`` per key; empty when the same plan is asked for."""
         if saved is None:
             return ["the saved plan was replayed from a file (strategy=plan), not planned "
                     "for a budget"]
-        now = self.request(default_stages, reshard_after_forward)
+        now = self.request(default_stages, reshard_after_forward, compiled)
         out = []
         for key, name in _REQUEST_KEYS:
-            then, here = saved.get(key), now[key]
+            # a plan saved before a key existed was made as its default asks
+            then, here = saved.get(key, False if key == "compiled" else None), now[key]
             if then != here:
                 if key == "budget_bytes" and then is not None:
                     then, here = format_bytes(then), format_bytes(here)

@@ -78,6 +78,8 @@ class Plan:
         objective: what the search minimised (``time`` or ``flops``).
         device_figures: the figures the time model used (FLOP/s, bytes/s, their source: the
             datasheet, or this CPU's calibration and what it was measured on).
+        compiled: planned for the step ``compile=true`` runs (its traces held the dropout
+            masks compiled recomputed regions keep); False in plan files from before.
     """
 
     units: list[UnitPlan]
@@ -98,6 +100,7 @@ class Plan:
     step_flops: int = 0
     predicted_overhead: float = 1.0
     objective: str = "time"
+    compiled: bool = False
     device_figures: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     version: int = PLAN_VERSION

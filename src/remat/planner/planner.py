@@ -54,6 +54,7 @@ from remat.planner.search import (
 )
 from remat.strategies.base import CheckpointStrategy
 from remat.strategies.none import NoCheckpoint
+from remat.strategies.recompute import trace_as_compiled
 from remat.strategies.registry import FIXED_POINTS, build_strategy
 from remat.strategies.segments import every_k_segments, sqrt_segments
 from remat.strategies.stages import path_matches
@@ -183,6 +184,11 @@ class Planner:
             :func:`remat.measure.trace.step_fn`), ``batch_size`` is per rank.
         size_key: the config key ``size`` was read from, for messages (``data.patch_size``
             under ``data=folder``); None: ``data.image_size`` or ``data.block_size``.
+        compiled: plan for the step ``compile=true`` runs (``torch.compile`` after the
+            strategy): every trace's recomputed regions hold what the compiled regions keep
+            of their random draws (dropout masks;
+            :func:`remat.strategies.recompute.trace_as_compiled`); the rest of a compiled
+            plan's peak is at or below the eager trace's.
 
     Raises:
         ValueError: bad ``margin`` or ``objective``; ``calibrate`` for a device other than
@@ -196,7 +202,8 @@ class Planner:
                  objective: str = "time", default_stages: Sequence[str] = (),
                  calibrate: bool = False, key: str = "strategy", world_size: int = 1,
                  reshard_after_forward: bool = True, temporaries: bool | None = None,
-                 size_key: str | None = None) -> None:
+                 size_key: str | None = None, compiled: bool = False) -> None:
+        self.compiled = bool(compiled)
         self.key = key  # config prefix of memory/device/units in messages ("": none)
         # the config key of ``size`` in messages (data.patch_size for folder data, ...);
         # None: data.image_size for images, data.block_size for sequences
@@ -235,6 +242,7 @@ class Planner:
             none = in_children([step_fn(**self._job(NoCheckpoint()))])[0]
         else:  # the profile and the trace of none, side by side
             profile, none = in_children([profile_job, step_fn(**self._job(NoCheckpoint()))])
+        trace_as_compiled(False)  # traces ran in this process where CUDA is up
         self.profile: Profile = profile
         self.cache[repr(NoCheckpoint())] = _traced(none)
         if calibrate:
@@ -260,7 +268,13 @@ class Planner:
         if isinstance(strategy, PlanStrategy) and strategy.offloads:
             # traces are fake CPU steps: offloaded inputs leave the traced device for meta
             strategy = PlanStrategy(strategy.plan, host="meta")
-        return {"build": lambda: build(strategy), "batch_size": self.batch_size,
+        compiled = self.compiled
+
+        def built() -> nn.Module:  # in the trace's process
+            trace_as_compiled(compiled)
+            return build(strategy)
+
+        return {"build": built, "batch_size": self.batch_size,
                 "size": self.size, "device": torch.device("cpu"),
                 "precision": self.precision, "fake": True,
                 "accumulate_grad_batches": self.accumulate, "count_flops": True,
@@ -281,7 +295,10 @@ class Planner:
                 for s in strategies]
         todo = {k: s for k, s in zip(keys, strategies, strict=True) if k not in self.cache}
         if todo:
-            results = trace_steps([self._job(s, build) for s in todo.values()])
+            try:
+                results = trace_steps([self._job(s, build) for s in todo.values()])
+            finally:  # traces run in this process where CUDA is up: no flag left set
+                trace_as_compiled(False)
             for k, result in zip(todo, results, strict=True):
                 self.cache[k] = _traced(result)
         if build is None and not key:  # plans of this model's own units: the pool
@@ -344,7 +361,8 @@ class Planner:
                     accumulate_grad_batches=self.accumulate, world_size=self.world_size,
                     device=self.spec.name,
                     none_peak_bytes=self.none.peak_bytes, step_flops=self.none.step_flops,
-                    objective=self.objective, device_figures=self.spec.to_dict())
+                    objective=self.objective, compiled=self.compiled,
+                    device_figures=self.spec.to_dict())
         plan.predicted_overhead = 1.0 + self.modelled_time(plan) / max(
             self.profile.step_time, 1e-12)
         return plan

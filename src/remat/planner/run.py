@@ -81,7 +81,8 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
                     build, batch_size, size, precision, accumulate,
                     default_stages=default_stages, world_size=sharding.world_size,
                     reshard_after_forward=sharding.reshard_after_forward,
-                    size_key=run_shape.size_key_of(cfg.data, cfg.model))
+                    size_key=run_shape.size_key_of(cfg.data, cfg.model),
+                    compiled=bool(cfg.get("compile", False)))
         warn_if_other_device(planned.plan, cfg, None,
                              where=f"strategy.device={strategy.device}")
         return planned
@@ -176,7 +177,8 @@ def _saved_plan(cfg: DictConfig, strategy: BudgetStrategy, ckpt: dict[str, Any],
         log.info("strategy=budget: %s; planning again", saved)
         return None
     plan, request = saved
-    differ = strategy.differences(request, default_stages, reshard_after_forward)
+    differ = strategy.differences(request, default_stages, reshard_after_forward,
+                                  bool(cfg.get("compile", False)))
     differ += [f"{key}: {planned} -> {running}"
                for key, planned, running in plan_mismatches(plan, cfg)]
     if differ:
@@ -251,8 +253,9 @@ def planner_for(cfg: DictConfig, build: Any, batch_size: int, size: Any, precisi
                 accumulate: int) -> Planner:
     """The :class:`~remat.planner.Planner` of this config's ``strategy=budget`` keys
     (``strategy.device``, ``units``, ``margin``, ``temporaries``, ``max_traces``,
-    ``objective``, ``calibrate``; ``configs/strategy/budget.yaml``), ``model.stages`` and
-    FSDP2 ``world_size``, for one micro-batch and accumulation.
+    ``objective``, ``calibrate``; ``configs/strategy/budget.yaml``), ``model.stages``,
+    FSDP2 ``world_size`` and ``compile`` (the compiled step's random draws kept), for one
+    micro-batch and accumulation.
 
     Raises:
         remat.planner.PlanInputError: ``cfg.strategy`` is not a budget (names the target).
@@ -274,4 +277,5 @@ def planner_for(cfg: DictConfig, build: Any, batch_size: int, size: Any, precisi
                    calibrate=bool(budget.get("calibrate", False)), key="strategy",
                    world_size=sharding.world_size,
                    reshard_after_forward=sharding.reshard_after_forward,
-                   size_key=run_shape.size_key_of(cfg.data, cfg.model))
+                   size_key=run_shape.size_key_of(cfg.data, cfg.model),
+                   compiled=bool(cfg.get("compile", False)))

@@ -87,6 +87,16 @@ def test_compile_is_not_estimated(tmp_path):
         estimate(compose_config("estimate", tmp_path, [*GPT, "strategy=compile"]))
 
 
+def test_a_budget_is_sent_to_the_planner(tmp_path):
+    """strategy=budget failed inside the model's build with the strategy's own
+    RuntimeError, wrapped as the model group's failure; it names remat.plan now."""
+    with pytest.raises(ValueError, match=r"^estimate: strategy=budget \(strategy.memory="
+                                         r"50MiB\) is a request for a plan.*python -m "
+                                         r"remat.plan.*strategy=plan strategy.path="):
+        estimate(compose_config("estimate", tmp_path, [*GPT, "strategy=budget",
+                                                       "strategy.memory=50MiB"]))
+
+
 def test_size_overflowing_int64_names_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"data.image_size=10000000000 .*int64"):
         estimate(compose_config("estimate", tmp_path, [*UNET, f"data.image_size={10**10}"]))

@@ -49,7 +49,7 @@ from typing import Any
 
 import hydra
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from remat import _compat, run_shape
@@ -103,6 +103,14 @@ def _untraceable_strategy(cfg: DictConfig) -> str | None:
     return None if getattr(strategy, "traceable", True) else strategy.name
 
 
+def _needs_plan(cfg: DictConfig) -> bool:
+    """Whether the configured strategy is planned before the model is built (``budget``)."""
+    try:
+        return bool(getattr(get_class(str(cfg.strategy.get("_target_"))), "needs_plan", False))
+    except Exception:  # noqa: BLE001 - a target that does not import is the build's to name
+        return False
+
+
 def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     """Estimate the peak memory of one training step of the configured run.
 
@@ -113,10 +121,18 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
 
     Raises:
         ValueError: bad sizes, precision, device, or a config group that fails to build
-            (naming the group and its ``_target_``).
+            (naming the group and its ``_target_``); ``strategy=budget`` (planned by
+            ``python -m remat.plan``, whose plan file this estimates).
         NotTraceable: the strategy cannot be traced under ``FakeTensorMode`` (``compile``),
             or the trace failed inside the strategy.
     """
+    if _needs_plan(cfg):
+        memory = cfg.strategy.get("memory")
+        raise ValueError(
+            f"estimate: strategy=budget (strategy.memory={memory}) is a request for a plan, "
+            "not a strategy to trace: python -m remat.plan with the same keys plans it and "
+            "prints its predicted peak, then estimate the plan it writes with "
+            "strategy=plan strategy.path=<plan.json>")
     build, size_key, batch_size, size = build_from_config(cfg)
     device = resolve_device(str(cfg.get("device", "auto")))
     precision = str(cfg.precision)

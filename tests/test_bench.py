@@ -95,9 +95,11 @@ def test_bench_entry_point_writes_csv_and_json(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_budget_row_is_planned_per_size(tmp_path, capsys):
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_bench_budget_row_is_planned_per_size(tmp_path, capsys, dropout):
     cfg = compose_config("bench", tmp_path, [
-        "model=gpt_tiny", "data.batch_size=2", "data.block_size=64", "reference_points=false",
+        "model=gpt_tiny", f"model.dropout={dropout}", "data.batch_size=2", "data.block_size=64",
+        "reference_points=false",
         "strategies=[none,{name: budget, memory: 6MiB, device: cpu, max_traces: 2}]",
         "warmup=0", "steps=1", "compiled=true", "compile_backend=aot_eager",
         "compile_strategies=[none,{name: budget, memory: 6MiB, device: cpu, max_traces: 2}]"])
@@ -105,9 +107,15 @@ def test_bench_budget_row_is_planned_per_size(tmp_path, capsys):
     label = "budget(memory=6MiB, device=cpu, max_traces=2)"
     rows = {r["strategy"]: r for r in record["rows"]}
     assert rows[label]["grads_match"] and rows[label]["flops_ratio"] >= 1.0
-    assert any("budget(memory=6MiB" in n and "blocks:" in n for n in record["notes"])
-    # the compiled row runs the eager row's plan (planned once), with eager none's gradients
-    assert f"size 64, compiled: {label}: the eager row's plan" in record["notes"]
+    assert any(n.startswith(f"size 64: {label}: ") for n in record["notes"])  # its plan
+    # without dropout the compiled row runs the eager row's plan (planned once); with it,
+    # a plan for the compiled step (whose segments keep dropout's masks); eager none's
+    # gradients either way
+    reused = f"size 64, compiled: {label}: the eager row's plan" in record["notes"]
+    assert reused == (dropout == 0.0)
+    if dropout:
+        assert any(n.startswith(f"size 64, compiled: {label}: blocks:")
+                   for n in record["notes"]), record["notes"]
     compiled = rows[f"{label} (compiled, aot_eager)"]
     assert compiled["grads_match"] and compiled["grad_rel_error"] < 1e-5
 

@@ -204,7 +204,8 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                         list(base.stage_paths), f"size {size}", notes, rows=references)
         size_compile_runs = planned_strategies(compile_runs, model_cfg, batch_size, size, precision,
                                      list(base.stage_paths), f"size {size}, compiled", notes,
-                                     known=runs, rows={**strategies, **references})
+                                     known=runs, rows={**strategies, **references},
+                                     compiled=True)
         runs.update(references)
         generator = torch.Generator().manual_seed(cfg.seed)
         batch = {k: v.to(device)

@@ -41,6 +41,7 @@ from remat.strategies import (
     COMPILED_REFERENCES,
     REFERENCES,
     CheckpointStrategy,
+    NoCheckpoint,
     StageError,
     build_strategy,
 )
@@ -512,13 +513,21 @@ def budget_rows_above_their_rows(rows: Sequence[BenchRow],
 def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: DictConfig,
              batch_size: int, size: int, precision: str, stages: list[str], where: str,
              notes: list[str], known: dict[str, CheckpointStrategy] | None = None,
-             rows: dict[str, CheckpointStrategy] | None = None,
+             rows: dict[str, CheckpointStrategy] | None = None, compiled: bool = False,
              ) -> dict[str, CheckpointStrategy]:
     """``strategies`` with each memory budget (``{name: budget, ...}``) planned for this
     batch and size (its plan noted in ``notes``). A budget with the same label in ``known``
-    (the eager rows, already planned) takes that plan instead of planning again. A budget
-    ``at`` a row is planned for that row's strategy in ``rows`` (or ``strategies``); one
-    whose row does not apply here (a skipped reference) is left out with a note."""
+    (the eager rows, already planned) takes that plan instead of planning again, unless
+    the rows are ``compiled`` and the network draws random numbers (dropout): compiled
+    recomputed segments keep its masks, so the budget is planned for the compiled step
+    (``Planner(compiled=True)``). A budget ``at`` a row is planned for that row's strategy
+    in ``rows`` (or ``strategies``); one whose row does not apply here (a skipped reference)
+    is left out with a note."""
+    if compiled and any(getattr(s, "needs_plan", False) for s in strategies.values()):
+        from remat.compiling import random_modules
+
+        if random_modules(instantiate(model_cfg, strategy=NoCheckpoint()).net):
+            known = None  # the eager plans do not count the masks
     runs = dict(strategies)
     rows = {**strategies, **(rows or {})}
     for label, strategy in strategies.items():
@@ -550,7 +559,7 @@ def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: Dic
             try:
                 runs[label] = strategy.planned(
                     lambda s, mc=model_cfg: instantiate(mc, strategy=s), batch_size, size,
-                    precision, default_stages=stages)
+                    precision, default_stages=stages, compiled=compiled)
             except InfeasibleBudget as err:  # one row that cannot be met: a note, not a stop
                 del runs[label]
                 notes.append(f"{where}: {label} skipped: {str(err).splitlines()[0]}")

@@ -364,6 +364,20 @@ def test_resume_from_an_epoch_end_with_another_batch_size_starts_the_next_epoch(
     assert resumed["resumed_from"] == str(tmp_path / "checkpoints" / "last.ckpt")  # not "last"
 
 
+def test_ckpt_path_last_without_a_checkpoint_is_a_new_run_said_so(tmp_path, caplog):
+    """``ckpt_path=last`` where the folder holds no checkpoint starts from scratch, as
+    Lightning does (a requeued job's first start), and says so; its summary recorded
+    ``resumed_from: "last"`` for a run that resumed nothing."""
+    base = ["data.image_size=32", "data.num_train=4", "data.num_val=2",
+            "model.arch_kwargs.decoder_channels=[16,16,8,8,8]", *TINY[4:]]
+    with caplog.at_level("WARNING", logger="remat"):
+        done = train(compose_train(tmp_path, [*base, "data.batch_size=4", "ckpt_path=last"]))
+    assert done["status"] == "completed" and done["global_step"] == 1
+    assert done["resumed_from"] is None
+    assert (f"ckpt_path=last: no last.ckpt in {tmp_path / 'checkpoints'}, so this is a new "
+            "run from scratch") in caplog.text
+
+
 def test_the_progress_bar_switch_turns_off_the_default_callbacks_bar(tmp_path):
     # the default callback group holds a RichProgressBar: with the switch off Lightning
     # refused the pair ("configured with enable_progress_bar=False but found RichProgressBar")

@@ -125,7 +125,8 @@ def resolve_last(cfg: DictConfig) -> str | None:
     ``last.ckpt``/``last-<n>.ckpt`` in the checkpoint folders of the configured callbacks
     (``callbacks.<name>.dirpath``; ``<output_dir>/checkpoints`` by default), as Lightning
     looks for it among its checkpoint callbacks' folders; None when there is none (the
-    name then goes to Lightning as it is, which starts from scratch with a warning)."""
+    name then goes to Lightning as it is, which starts from scratch: the first start of a
+    requeued job; :func:`checkpoint_to_resume` warns)."""
     folders = {Path(cfg.paths.output_dir) / "checkpoints"}
     for conf in (cfg.get("callbacks") or {}).values():
         if isinstance(conf, DictConfig) and conf.get("dirpath"):
@@ -153,6 +154,11 @@ def checkpoint_to_resume(cfg: DictConfig) -> tuple[Any, dict[str, Any] | None]:
         if resolved is not None:
             log.info("ckpt_path=last: resuming from %s", resolved)
             ckpt_path = resolved
+        else:  # Lightning's rule (a requeued job's first start): a new run, said loudly
+            log.warning("ckpt_path=last: no last.ckpt in %s, so this is a new run from "
+                        "scratch, not a resume. To resume a run, give its folder "
+                        "(hydra.run.dir=<run>) or its file (ckpt_path=<run>/checkpoints/"
+                        "last.ckpt)", Path(cfg.paths.output_dir) / "checkpoints")
     if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
         return ckpt_path, None
     if not Path(str(ckpt_path)).exists():

@@ -320,8 +320,9 @@ class RunSummary(L.Callback):
         self._trained = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.resumed_from and getattr(trainer, "ckpt_path", None):
-            self.resumed_from = str(trainer.ckpt_path)  # the file ckpt_path=last named
+        if self.resumed_from:  # the file ckpt_path=last named; None where it found none
+            found = getattr(trainer, "ckpt_path", None)
+            self.resumed_from = str(found) if found else None
         self.write(trainer, pl_module, "running")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,

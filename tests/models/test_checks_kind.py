@@ -8,3 +8,4 @@ def test_text_datamodule_with_unset_vocab_is_a_sequence_source(shakespeare_root)
     dm = CharTextDataModule(root=str(shakespeare_root), vocab_size=None, block_size=32,
                             batch_size=2)
     assert _kind(dm) == "sequence"
+

@@ -4,6 +4,8 @@ checkpoint fit and resumed LR schedules."""
 from __future__ import annotations
 
 import inspect
+import logging
+import math
 import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -14,6 +16,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from remat.run_shape import check_spatial_dims
+
+log = logging.getLogger(__name__)
 
 # hyper-parameters whose disagreement makes a checkpoint unusable for a config
 MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes", "vocab_size", "block_size",
@@ -39,22 +43,46 @@ def require_keys(batch: Mapping, keys: Iterable[str], module: str) -> None:
         )
 
 
-def warn_if_schedule_ends_early(trainer: L.Trainer) -> None:
-    """Warn when an epoch-based schedule restored from a checkpoint ends before the run does.
+def extend_restored_schedule(trainer: L.Trainer, configured_t_max: Any) -> None:
+    """Resuming with a larger ``trainer.max_epochs`` (the README's "train further"), make an
+    epoch-based cosine schedule restored from the checkpoint the configured one.
 
-    Resuming with a larger ``trainer.max_epochs`` keeps the checkpoint's
-    ``CosineAnnealingLR.T_max``: later epochs would train at ``eta_min`` (often 0).
+    The checkpoint's ``CosineAnnealingLR`` keeps its ``T_max`` (the first run's epochs):
+    past it, torch's cosine climbs back to the base rate and down again every ``T_max``
+    epochs (a 1-epoch run resumed to 5 epochs trained at 0.001, 0, 0.001, 0, 0.001; to 2
+    epochs, its second epoch at 0). Where the configured ``T_max`` (``model.scheduler.T_max``,
+    ``${trainer.max_epochs}`` by default) is larger, it takes its place, and each group's
+    rate is set to that cosine's at the current epoch, as if the run had been started with
+    it (Loshchilov and Hutter 2017, arXiv 1608.03983, eq. 5 without restarts); logged.
+    Where the run goes past a ``T_max`` nobody asked to extend, a warning says so.
     """
     for config in trainer.lr_scheduler_configs:
-        t_max = getattr(config.scheduler, "T_max", None)
-        if t_max is not None and trainer.max_epochs and config.interval == "epoch" \
-                and t_max < trainer.max_epochs:
+        scheduler = config.scheduler
+        t_max = getattr(scheduler, "T_max", None)
+        if t_max is None or config.interval != "epoch" or not trainer.max_epochs:
+            continue
+        wanted = configured_t_max if isinstance(configured_t_max, int) else None
+        if trainer.ckpt_path and wanted is not None and wanted > t_max \
+                and isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
+            epoch, eta_min = scheduler.last_epoch, scheduler.eta_min
+            scheduler.T_max = wanted
+            rates = [eta_min + (base - eta_min) * (1 + math.cos(math.pi * min(epoch, wanted)
+                                                                / wanted)) / 2
+                     for base in scheduler.base_lrs]
+            before = [group["lr"] for group in scheduler.optimizer.param_groups]
+            for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+                group["lr"] = rate
+            log.info("the LR schedule restored from the checkpoint ended after T_max=%d "
+                     "epochs; model.scheduler.T_max=%d extends it: epoch %d trains at lr %.3g "
+                     "(was %.3g), the %d-epoch cosine's", t_max, wanted, epoch, rates[0],
+                     before[0], wanted)
+            continue
+        if t_max < trainer.max_epochs:
             rank_zero_warn(
-                f"the LR schedule ends after T_max={t_max} epochs but trainer.max_epochs="
-                f"{trainer.max_epochs}: epochs {t_max}..{trainer.max_epochs - 1} train at the "
-                "minimum learning rate. This happens when a run is resumed (ckpt_path) with more "
-                "epochs; resume with the same trainer.max_epochs, or fine-tune from the "
-                "checkpoint's weights in a new run."
+                f"the LR schedule's T_max={t_max} epochs is below trainer.max_epochs="
+                f"{trainer.max_epochs}: torch's cosine rises again after epoch {t_max} "
+                f"(every {t_max} epochs it goes back to the base rate and down); set "
+                "model.scheduler.T_max to the epochs the schedule should span"
             )
 
 

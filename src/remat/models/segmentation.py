@@ -13,7 +13,7 @@ from torch import nn
 
 from remat.inference import SlidingWindow, sliding_window_inference, volume_window_inference
 from remat.models.base import StrategyModule
-from remat.models.checks import require_keys, warn_if_schedule_ends_early
+from remat.models.checks import extend_restored_schedule, require_keys
 from remat.models.metrics import SegmentationMetrics
 from remat.models.weights import load_encoder_weights
 from remat.strategies import CheckpointStrategy
@@ -296,7 +296,8 @@ class SegmentationModule(StrategyModule):
                 metrics.class_names = list(names)
 
     def on_train_start(self) -> None:
-        warn_if_schedule_ends_early(self.trainer)
+        extend_restored_schedule(self.trainer, getattr(self.scheduler_factory, "keywords",
+                                                       {}).get("T_max"))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)

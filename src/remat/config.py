@@ -124,6 +124,20 @@ def msd_info(root: Any, key: str) -> Any:
     return dataset_info(root, str(key))
 
 
+def color_classes(colors: Any, default: Any) -> Any:
+    """``data.num_classes`` of ``data=folder`` (the ``remat.color_classes`` resolver): the
+    number of classes ``data.colors`` lists (a list in class order or ``{name: colour}``),
+    so ``mask_encoding=colors`` needs no second key; ``default`` without colours."""
+    if colors is None or isinstance(colors, str):
+        return default
+    try:
+        return len(colors)
+    except TypeError:  # not a list or mapping: the datamodule names the problem
+        return default
+
+
+if not OmegaConf.has_resolver("remat.color_classes"):
+    OmegaConf.register_new_resolver("remat.color_classes", color_classes)
 if not OmegaConf.has_resolver("remat.msd"):
     OmegaConf.register_new_resolver("remat.msd", msd_info)
 if not OmegaConf.has_resolver("remat.best_saved_at_validation"):

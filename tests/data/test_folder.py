@@ -418,3 +418,19 @@ def test_a_missing_mask_is_listed_with_the_other_bad_files(tmp_path):
     assert [p.path for p in info.value.problems] == [tmp_path / "images" / "case3.png", gone]
     assert str(info.value).startswith(
         f"image folder at {tmp_path} (train and val splits): 2 of 8 files are missing")
+
+
+def test_colour_masks_give_the_model_as_many_classes_as_colours(tmp_path):
+    """The documented colour-mask command (docs/your-own-data.md) set no data.num_classes and
+    was refused: model.num_classes=1 but data=folder serves 3 classes. The class count of
+    mask_encoding=colors is the number of colours listed; a given data.num_classes wins."""
+    colors = "data.colors=['#000000','#FF0000','#00FF00']"
+    cfg = compose_train(tmp_path, ["data=folder", "data.root=x", "data.mask_encoding=colors",
+                                   colors])
+    assert cfg.data.num_classes == cfg.model.num_classes == 3
+    named = compose_train(tmp_path, ["data=folder", "data.root=x", "data.mask_encoding=colors",
+                                     "data.colors={road: '#FFFFFF', land: '#000000'}"])
+    assert named.model.num_classes == 2
+    assert compose_train(tmp_path, ["data=folder", "data.root=x"]).model.num_classes == 1
+    given = compose_train(tmp_path, ["data=folder", "data.root=x", colors, "data.num_classes=4"])
+    assert given.model.num_classes == 4

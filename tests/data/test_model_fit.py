@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.utils import instantiate
 
 from remat.data import ISBI2012DataModule, KvasirSegDataModule, SyntheticSegDataModule
@@ -121,3 +122,30 @@ def test_matching_dims_and_sequence_models_pass_the_check(tmp_path: Path):
                       ["model=gpt_tiny", "data=tinyshakespeare"]):
         cfg = compose_train(tmp_path / "run", [*TINY_TRAINER, *overrides])
         check_spatial_dims(cfg.model, cfg.data)  # no error
+
+
+def test_patch_sides_a_strided_network_cannot_halve_are_named():
+    """data=msd model=monai_dynunet3d data.patch_size=[24,24,24] died in the sanity
+    validation with torch's 'Sizes of tensors must match' from MONAI's skip concatenation;
+    the patch is refused first, naming the network's total stride and sides that fit."""
+    from monai.networks.nets import DynUNet, UNet
+
+    from remat.models.checks import check_patch_fits_strides
+
+    dyn = DynUNet(3, 1, 2, kernel_size=[3] * 5, strides=[1, 2, 2, 2, 2],
+                  upsample_kernel_size=[2] * 4, filters=[4, 8, 16, 32, 64])
+    with pytest.raises(ValueError, match=re.escape(
+            "data.patch_size=[24, 24, 40]: DynUNet downsamples each side by [16, 16, 16] "
+            "(model.net.strides), so every side must be a multiple of it; e.g. "
+            "data.patch_size=[32, 32, 48]")):
+        check_patch_fits_strides(dyn, [24, 24, 40])
+    check_patch_fits_strides(dyn, [32, 48, 64])  # fits
+    anisotropic = DynUNet(3, 1, 2, kernel_size=[3] * 3, strides=[[1, 1, 1], [1, 2, 2], [2, 2, 2]],
+                          upsample_kernel_size=[[1, 2, 2], [2, 2, 2]])
+    check_patch_fits_strides(anisotropic, [2, 4, 4])
+    with pytest.raises(ValueError, match=r"by \[2, 4, 4\]"):
+        check_patch_fits_strides(anisotropic, [2, 4, 6])
+    unet = UNet(3, 1, 2, channels=(4, 8, 16), strides=(2, 2))
+    with pytest.raises(ValueError, match=r"UNet downsamples each side by \[4, 4, 4\]"):
+        check_patch_fits_strides(unet, [30, 32, 32])
+    check_patch_fits_strides(torch.nn.Conv3d(1, 1, 3), [30, 30, 30])  # no strides: no rule

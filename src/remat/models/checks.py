@@ -141,6 +141,47 @@ def check_model_fits_data(model: L.LightningModule, datamodule: Any,
     if isinstance(ours, int) and isinstance(theirs, int) and ours != theirs:
         raise ValueError(f"model.in_channels={ours} but {d} serves {theirs} image channels"
                          f"{_channels_hint(datamodule, ours)}")
+    check_patch_fits_strides(getattr(model, "net", None), getattr(datamodule, "patch_size", None))
+
+
+def total_stride(strides: Any, dims: int) -> list[int] | None:
+    """Per spatial dimension, the product of a network's ``strides`` (MONAI ``DynUNet``:
+    ``[1, 2, 2, 2, 2]`` or one ``[d, h, w]`` per level; MONAI ``UNet``: ``(2, 2, 2, 2)``);
+    None for anything else."""
+    total = [1] * dims
+    try:
+        for stride in strides:
+            per_dim = [int(stride)] * dims if isinstance(stride, int) else [int(v) for v in stride]
+            if len(per_dim) != dims:
+                return None
+            total = [t * v for t, v in zip(total, per_dim, strict=True)]
+    except (TypeError, ValueError):
+        return None
+    return total
+
+
+def check_patch_fits_strides(net: Any, patch: Any) -> None:
+    """Refuse training patches whose sides a strided network cannot halve down and back up
+    (MONAI's DynUNet and UNet concatenate skips of mismatched sizes: torch's "Sizes of
+    tensors must match" in the sanity validation, ``data.patch_size=[24,24,24]`` on a 5-level
+    DynUNet).
+
+    Raises:
+        ValueError: names ``data.patch_size``, the network's total stride
+            (``model.net.strides``) and the nearest sides that fit.
+    """
+    strides = getattr(net, "strides", None)
+    if strides is None or patch is None or isinstance(strides, int | str):
+        return
+    sides = [int(patch)] if isinstance(patch, int) else [int(v) for v in patch]
+    total = total_stride(strides, len(sides))
+    if total is None or not any(side % step for side, step in zip(sides, total, strict=True)):
+        return
+    fit = [-(-side // step) * step for side, step in zip(sides, total, strict=True)]
+    raise ValueError(
+        f"data.patch_size={sides}: {type(net).__name__} downsamples each side by {total} "
+        f"(model.net.strides), so every side must be a multiple of it; e.g. "
+        f"data.patch_size={fit}")
 
 
 def _channels_hint(datamodule: Any, wanted: int) -> str:

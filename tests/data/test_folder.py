@@ -434,3 +434,15 @@ def test_colour_masks_give_the_model_as_many_classes_as_colours(tmp_path):
     assert compose_train(tmp_path, ["data=folder", "data.root=x"]).model.num_classes == 1
     given = compose_train(tmp_path, ["data=folder", "data.root=x", colors, "data.num_classes=4"])
     assert given.model.num_classes == 4
+
+
+def test_a_csv_row_with_an_empty_cell_names_its_line(tmp_path):
+    """A row ``images/extra.jpg,`` was reported as the CSV's folder not being a mask file;
+    the row's line and the empty column are named instead."""
+    write_folder(tmp_path, n=2)
+    csv = _pairs_csv(tmp_path, [("images/case0.png", "masks/case0.png", "train"),
+                                ("images/case1.png", "", "val")])
+    with pytest.raises(ValueError, match=re.escape(
+            f"data.pairs={csv} line 3: the mask column is empty; every row names an image "
+            "and its mask file")):
+        FolderSegDataModule(tmp_path, pairs=csv, patch_size=16).setup("fit")

@@ -401,6 +401,12 @@ def read_pairs_csv(path: Path, mask_column: str = "mask",
         seen: set[str] = set()
         for line, row in enumerate(reader, start=2):
             row = {k.strip().lower(): (v or "").strip() for k, v in row.items() if k}
+            empty = [c for c in ("image", mask_column) if not row.get(c)]
+            if empty:
+                raise ValueError(f"data.pairs={path} line {line}: the {' and '.join(empty)} "
+                                 f"column{'s are' if len(empty) > 1 else ' is'} empty; every "
+                                 f"row names an image and its {mask_column} file (paths "
+                                 "relative to the CSV)")
             image, mask = path.parent / row["image"], path.parent / row[mask_column]
             name = row.get("name") or (name_of(row["image"]) if name_of is not None else
                                        str(PurePosixPath(row["image"]).with_suffix("")))

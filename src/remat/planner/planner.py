@@ -803,27 +803,7 @@ class Planner:
             lines.append(f"  parameters, gradients and optimizer state alone take "
                          f"{format_bytes(static)}: use a smaller model or shard it (FSDP)")
         else:
-            scale = room / dynamic
-            if self.batch_size * scale >= 1:
-                lines.append(f"  would fit instead: data.batch_size="
-                             f"{max(1, math.floor(self.batch_size * scale))} (activations scale "
-                             "with the batch; about)")
-            else:
-                lines.append(f"  even data.batch_size=1 would need about "
-                             f"{format_bytes(int(static + dynamic / self.batch_size))} "
-                             f"(+ margin {format_bytes(margin)})")
-            if isinstance(self.size, int) and self.profile.kind == "image":
-                side = math.floor(self.size * math.sqrt(min(scale, 1.0)) / 32) * 32
-                if side >= 32:
-                    lines.append(f"  or {self.size_key or 'data.image_size'}={side} "
-                                 "(activations scale with the "
-                                 "pixel count; about)")
-            elif isinstance(self.size, int):
-                tokens = math.floor(self.size * min(scale, 1.0) / 8) * 8
-                if tokens >= 8:
-                    lines.append(f"  or {self.size_key or 'data.block_size'}={tokens} "
-                                 "(activations scale with the "
-                                 "sequence length, at least; about)")
+            lines += self._smaller_shapes(plan, budget - margin, room / dynamic)
         if self.precision == "32-true" and room > 0 and dynamic / 2 <= room:
             # autocast keeps some activations in fp32 (normalisation, softmax outputs): half
             # the dynamic part is the best case, so it is only suggested where that fits
@@ -831,6 +811,47 @@ class Planner:
                          f"{format_bytes(int(static + dynamic / 2))}; parameters, gradients "
                          "and optimizer state stay fp32)")
         return "\n".join(lines)
+
+
+    def _smaller_shapes(self, plan: Plan, allowed: int, scale: float) -> list[str]:
+        """Lines of the infeasible message: a smaller batch, then a smaller size, that the
+        floor plan fits at ``allowed`` allocator bytes. Each is guessed by scaling what is
+        not parameters, gradients or optimizer state by ``scale`` and then traced at that
+        shape (one trace each), so what is suggested fits as traced: the guess alone said
+        "batch 1 needs about 185.8 MiB" where its floor is 219.1 (the optimizer step's own
+        temporaries do not shrink with the batch), and offered a U-Net side of 32 px that
+        parameters, gradients and AdamW state alone do not fit."""
+        lines = []
+
+        def fits(batch_size: int, size: Any) -> int:
+            job = {**self._job(PlanStrategy(plan)), "batch_size": batch_size, "size": size}
+            try:
+                peak = int(_traced(trace_steps([job])[0]).allocator_peak)
+            finally:
+                trace_as_compiled(False)
+            return peak
+
+        batch = max(1, math.floor(self.batch_size * scale))
+        if batch < self.batch_size:
+            peak = fits(batch, self.size)
+            if peak > allowed and batch > 1:
+                batch, peak = 1, fits(1, self.size)
+            lines.append(f"  would fit instead: data.batch_size={batch} (traced: "
+                         f"{format_bytes(peak)} with this plan)" if peak <= allowed else
+                         f"  even data.batch_size={batch} does not fit: "
+                         f"{format_bytes(peak)} with this plan")
+        if isinstance(self.size, int):
+            image = self.profile.kind == "image"
+            step = 32 if image else 8
+            smaller = (math.floor(self.size * math.sqrt(min(scale, 1.0)) / step) * step
+                       if image else math.floor(self.size * min(scale, 1.0) / step) * step)
+            key = self.size_key or ("data.image_size" if image else "data.block_size")
+            if step <= smaller < self.size:
+                peak = fits(self.batch_size, smaller)
+                if peak <= allowed:
+                    lines.append(f"  or {key}={smaller} (traced: {format_bytes(peak)} with "
+                                 "this plan)")
+        return lines
 
 
 def _measuring_device(spec: DeviceSpec) -> torch.device:

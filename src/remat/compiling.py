@@ -135,15 +135,28 @@ _DROPOUT = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.D
             torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
 
+#: float attributes attention modules pass as their kernel's dropout probability (remat's
+#: GPT ``dropout``; Hugging Face ``attention_dropout``, ``attn_pdrop``, ``dropout_p``)
+ATTENTION_DROPOUT_NAMES = ("dropout", "dropout_p", "attention_dropout", "attn_dropout",
+                           "attn_pdrop")
+
+
 def random_modules(net: torch.nn.Module) -> list[str]:
     """Paths of the modules of ``net`` that draw random numbers in training: dropout
-    (``torch.nn`` dropout modules with ``p > 0``) and stochastic depth (``DropPath``, timm's
-    and look-alikes, with ``drop_prob > 0``). Functional dropout inside a forward is not
+    (``torch.nn`` dropout modules with ``p > 0``), stochastic depth (``DropPath``, timm's
+    and look-alikes, with ``drop_prob > 0``), and attention modules whose dropout
+    probability is a float attribute (:data:`ATTENTION_DROPOUT_NAMES` > 0, the
+    ``dropout_p`` of their SDPA call). Other functional dropout inside a forward is not
     seen."""
     found = []
     for name, module in net.named_modules():
-        p = getattr(module, "p", None) if isinstance(module, _DROPOUT) else getattr(
-            module, "drop_prob", None) if "droppath" in type(module).__name__.lower() else None
+        if isinstance(module, _DROPOUT):
+            p = getattr(module, "p", None)
+        elif "droppath" in type(module).__name__.lower():
+            p = getattr(module, "drop_prob", None)
+        else:
+            p = next((v for v in (getattr(module, n, None) for n in ATTENTION_DROPOUT_NAMES)
+                      if isinstance(v, float) and v > 0), None)
         if isinstance(p, int | float) and not isinstance(p, bool) and p > 0:
             found.append(name or type(module).__name__)
     return found
@@ -165,6 +178,6 @@ def warn_random_ops_kept(net: torch.nn.Module, recomputes: bool,
         log.warning("compile=true: %s draw random numbers in training; compiled, each "
                     "recomputed segment keeps their masks until its backward (recomputed, "
                     "they would draw other numbers): the step peaks above the same strategy "
-                    "eager. The estimate and strategy=budget count them; a plan made without "
-                    "compile=true (remat.plan ... compile=false) does not", shown)
+                    "eager. The estimate and strategy=budget count them (dropout called as a "
+                    "function too); a plan made without compile=true does not", shown)
     return found

@@ -569,12 +569,18 @@ def test_compile_true_names_the_modules_whose_random_outputs_a_compiled_plan_kee
             super().__init__()
             self.drop_prob = drop_prob
 
+    class Attention(torch.nn.Module):  # its SDPA call's dropout_p (remat's GPT, HF)
+        def __init__(self, p):
+            super().__init__()
+            self.attention_dropout = p
+
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1),
-                              torch.nn.Dropout(0.0), DropPath(0.2), DropPath(0.0))
-    assert random_modules(net) == ["1", "3"]
+                              torch.nn.Dropout(0.0), DropPath(0.2), DropPath(0.0),
+                              Attention(0.1), Attention(0.0))
+    assert random_modules(net) == ["1", "3", "5"]
     log = logging.getLogger("remat.test")
     with caplog.at_level("WARNING", logger="remat.test"):
         assert warn_random_ops_kept(net, recomputes=False, log=log) == []
         assert caplog.text == ""
-        assert warn_random_ops_kept(net, recomputes=True, log=log) == ["1", "3"]
-    assert "compile=true: 1, 3 draw random numbers" in caplog.text
+        assert warn_random_ops_kept(net, recomputes=True, log=log) == ["1", "3", "5"]
+    assert "compile=true: 1, 3, 5 draw random numbers" in caplog.text

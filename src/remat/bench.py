@@ -72,6 +72,7 @@ from remat.benchmarking import (
 )
 from remat.compiling import TRAINING_BACKEND, check_compile_options, training_options
 from remat.config import config_dir
+from remat.errors import run_entry
 from remat.measure import DeviceSlot, device_name
 from remat.strategies import COMPILED_REFERENCES, REFERENCES
 from remat.strategies.stages import nothing_to_wrap
@@ -258,8 +259,9 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")
 def main(cfg: DictConfig) -> None:
-    """Hydra app around :func:`bench`."""
-    bench(cfg)
+    """Hydra app around :func:`bench`: a user error (a bad row, size or key) ends it with
+    one ``error:`` line, as the other entry points do."""
+    run_entry(bench, cfg)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,24 @@ def compose_app(config_name: str, output_dir: Path, overrides: list[str] = ()) -
     return cfg
 
 
+def entry_exit(app: str, cfg: DictConfig) -> int:
+    """Run ``python -m remat.<app>``'s Hydra main on ``cfg`` (composed by
+    :func:`compose_app`) as a single run, in this process; the exit code it ends with."""
+    import importlib
+
+    import pytest
+    from hydra.types import RunMode
+    from omegaconf import read_write
+
+    main = importlib.import_module(f"remat.{app}").main
+    with read_write(cfg.hydra):
+        cfg.hydra.mode = RunMode.RUN
+    HydraConfig().set_config(cfg)
+    with pytest.raises(SystemExit) as stop:
+        main.__wrapped__(cfg)
+    return stop.value.code
+
+
 def compose_train(output_dir: Path, overrides: list[str] = ()) -> DictConfig:
     """Compose ``configs/train.yaml`` with overrides; outputs go to ``output_dir``."""
     return compose_app("train", output_dir, overrides)

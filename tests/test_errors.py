@@ -69,22 +69,12 @@ def test_hydra_full_error_prints_the_traceback(tmp_path):
 
 def test_a_bench_row_that_names_no_row_is_one_line(tmp_path, capsys):
     """remat.bench printed a traceback for a budget row ``at`` a row that does not exist."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import read_write
-
-    from remat.bench import main
-    from tests.helpers import compose_app
+    from tests.helpers import compose_app, entry_exit
 
     cfg = compose_app("bench", tmp_path, ["model=gpt_tiny", "data.block_size=32",
                                           "strategies=[none,{name: budget, at: sqrtnn}]",
                                           "reference_points=false"])
-    with read_write(cfg.hydra):
-        cfg.hydra.mode = RunMode.RUN
-    HydraConfig().set_config(cfg)
-    with pytest.raises(SystemExit) as stop:
-        main.__wrapped__(cfg)
-    assert stop.value.code == 1
+    assert entry_exit("bench", cfg) == 1
     err = capsys.readouterr().err.strip()
     assert err == ("error: bench: budget(at=sqrtnn): at='sqrtnn' is not a row a plan can be "
                    "made at; rows: none (budget rows and compiled rows are not: the planner "

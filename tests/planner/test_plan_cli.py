@@ -21,7 +21,7 @@ from remat.planner import InfeasibleBudget, Plan, PlanMismatch, PlanStrategy, de
 from remat.planner.frontier import MARKERS, Point, format_points, frontier_figure
 from remat.planner.run import check_plan_fits, plan_for_run
 from remat.train import _hydra_main as train_main
-from tests.helpers import TINY, compose_app, compose_train
+from tests.helpers import TINY, compose_app, compose_train, entry_exit
 
 
 def _plan_file(tmp_path, **fields):
@@ -315,16 +315,7 @@ def test_the_printed_frontier_says_its_peaks_are_the_allocators():
 def test_a_user_error_in_plan_or_estimate_ends_in_one_line(app, tmp_path, capsys):
     # as train.py and remat.eval: a config/data/model error is one line, exit code 1 (a
     # 3D net on 2D images printed a traceback above the message)
-    import importlib
-
-    main = importlib.import_module(f"remat.{app}").main
-    cfg = compose_app(app, tmp_path, ["model=monai_unet3d"])
-    with read_write(cfg.hydra):
-        cfg.hydra.mode = RunMode.RUN
-    HydraConfig().set_config(cfg)
-    with pytest.raises(SystemExit) as stop:
-        main.__wrapped__(cfg)
-    assert stop.value.code == 1
+    assert entry_exit(app, compose_app(app, tmp_path, ["model=monai_unet3d"])) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
         "error: model=monai_unet3d is a 3D network (model.spatial_dims=3) but "

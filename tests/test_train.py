@@ -267,11 +267,17 @@ def test_resuming_from_another_models_checkpoint_gives_one_clear_message(tmp_pat
         train(compose_train(tmp_path / "b", [*overrides, f"ckpt_path={weights_only}"]))
 
 
-def test_resuming_with_more_epochs_warns_that_the_schedule_has_ended(tmp_path):
+def test_resuming_with_more_epochs_trains_on_the_longer_schedule(tmp_path, caplog):
+    """Training further (README): the restored T_max=1 cosine had reached 0, so the added
+    epoch trained at learning rate 0; it follows the 2-epoch cosine (half the base rate)."""
     first = train(compose_train(tmp_path / "a", TINY))
-    with pytest.warns(UserWarning, match="T_max=1 epochs but trainer.max_epochs=2"):
-        train(compose_train(tmp_path / "b", [*TINY, "trainer.max_epochs=2",
-                                             f"ckpt_path={first['last_model_path']}"]))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        done = train(compose_train(tmp_path / "b", [*TINY, "trainer.max_epochs=2",
+                                                    f"ckpt_path={first['last_model_path']}"]))
+    assert ("the LR schedule restored from the checkpoint ended after T_max=1 epochs; "
+            "model.scheduler.T_max=2 extends it: epoch 1 trains at lr 0.0005 (was 0)"
+            in caplog.text)
+    assert done["status"] == "completed" and done["epochs"] == 2
 
 
 def test_summary_holds_estimate_throughput_and_epoch_peaks(tmp_path, caplog):

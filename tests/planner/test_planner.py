@@ -234,7 +234,7 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
     text = str(err.value)
     assert "no plan fits" in text and "smallest peak" in text
     assert "parameters" in text and "optimizer_state" in text
-    assert "largest unit" in text and "bf16-mixed" in text
+    assert "largest unit" in text
     # the smaller shapes offered were traced with the floor's plan and fit (a scaled guess
     # offered shapes that did not: a U-Net batch 1 "about 185.8 MiB" traced 219.1)
     budget = int(floor.allocator_peak * 0.97)
@@ -247,6 +247,11 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
         peak = planner_module._traced(planner_module.trace_steps([job])[0]).allocator_peak
         assert found.group(2) == format_bytes(peak)
         assert peak <= budget - planner.margin_for(budget)
+    # bf16-mixed is offered only where it fits as traced (a GPT's "at best about 92.2 MiB"
+    # planned at 180.8): here its attention temporaries do not shrink enough
+    job = {**planner._job(PlanStrategy(planner.lowest()[0])), "precision": "bf16-mixed"}
+    bf16 = planner_module._traced(planner_module.trace_steps([job])[0]).allocator_peak
+    assert bf16 > budget - planner.margin_for(budget) and "bf16-mixed" not in text
     # the least budget that holds the floor with its margin, which then plans
     found = re.search(r"the least budget that holds it with its margin \(([\d.]+) (\w+)\) is "
                       r"strategy\.memory=([\d.]+)MiB\.", text)

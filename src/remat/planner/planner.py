@@ -804,42 +804,45 @@ class Planner:
                          f"{format_bytes(static)}: use a smaller model or shard it (FSDP)")
         else:
             lines += self._smaller_shapes(plan, budget - margin, room / dynamic)
-        if self.precision == "32-true" and room > 0 and dynamic / 2 <= room:
-            # autocast keeps some activations in fp32 (normalisation, softmax outputs): half
-            # the dynamic part is the best case, so it is only suggested where that fits
-            lines.append(f"  or precision=bf16-mixed (activations in 16 bits, at best about "
-                         f"{format_bytes(int(static + dynamic / 2))}; parameters, gradients "
-                         "and optimizer state stay fp32)")
         return "\n".join(lines)
 
 
     def _smaller_shapes(self, plan: Plan, allowed: int, scale: float) -> list[str]:
-        """Lines of the infeasible message: a smaller batch, then a smaller size, that the
-        floor plan fits at ``allowed`` allocator bytes. Each is guessed by scaling what is
-        not parameters, gradients or optimizer state by ``scale`` and then traced at that
-        shape (one trace each), so what is suggested fits as traced: the guess alone said
-        "batch 1 needs about 185.8 MiB" where its floor is 219.1 (the optimizer step's own
-        temporaries do not shrink with the batch), and offered a U-Net side of 32 px that
-        parameters, gradients and AdamW state alone do not fit."""
+        """Lines of the infeasible message: the largest smaller batch, a smaller size, and
+        ``bf16-mixed`` (from ``32-true``) that the floor plan fits at ``allowed`` allocator
+        bytes. Each starts from a guess (what is not parameters, gradients or optimizer
+        state scaled by ``scale``) and is traced at that shape (the batch bisected, at most
+        :data:`SHAPE_TRACES` traces), so what is suggested fits as traced: the guess alone
+        said "batch 1 needs about 185.8 MiB" where its floor is 219.1 (the optimizer step's
+        own temporaries do not shrink with the batch), offered a U-Net side of 32 px that
+        parameters, gradients and AdamW state alone do not fit, and bf16 "at best about
+        92.2 MiB" for a GPT whose bf16 floor is 180.8."""
         lines = []
 
-        def fits(batch_size: int, size: Any) -> int:
+        def peak_at(batch_size: int, size: Any, precision: str | None = None) -> int:
             job = {**self._job(PlanStrategy(plan)), "batch_size": batch_size, "size": size}
+            if precision is not None:
+                job["precision"] = precision
             try:
-                peak = int(_traced(trace_steps([job])[0]).allocator_peak)
+                return int(_traced(trace_steps([job])[0]).allocator_peak)
             finally:
                 trace_as_compiled(False)
-            return peak
 
-        batch = max(1, math.floor(self.batch_size * scale))
-        if batch < self.batch_size:
-            peak = fits(batch, self.size)
-            if peak > allowed and batch > 1:
-                batch, peak = 1, fits(1, self.size)
-            lines.append(f"  would fit instead: data.batch_size={batch} (traced: "
-                         f"{format_bytes(peak)} with this plan)" if peak <= allowed else
-                         f"  even data.batch_size={batch} does not fit: "
-                         f"{format_bytes(peak)} with this plan")
+        if self.batch_size > 1:
+            guess = min(self.batch_size - 1, max(1, math.floor(self.batch_size * scale)))
+            low, high, best = 1, self.batch_size - 1, None  # the largest fitting, bisected
+            for _ in range(SHAPE_TRACES):
+                if low > high:
+                    break
+                peak = peak_at(guess, self.size)
+                if peak <= allowed:
+                    best, low = (guess, peak), guess + 1
+                else:
+                    high = guess - 1
+                guess = (low + high) // 2 if best is None else (low + high + 1) // 2
+            lines.append(f"  would fit instead: data.batch_size={best[0]} (traced: "
+                         f"{format_bytes(best[1])} with this plan)" if best is not None else
+                         "  no smaller data.batch_size fits with this plan")
         if isinstance(self.size, int):
             image = self.profile.kind == "image"
             step = 32 if image else 8
@@ -847,11 +850,20 @@ class Planner:
                        if image else math.floor(self.size * min(scale, 1.0) / step) * step)
             key = self.size_key or ("data.image_size" if image else "data.block_size")
             if step <= smaller < self.size:
-                peak = fits(self.batch_size, smaller)
+                peak = peak_at(self.batch_size, smaller)
                 if peak <= allowed:
                     lines.append(f"  or {key}={smaller} (traced: {format_bytes(peak)} with "
                                  "this plan)")
+        if self.precision == "32-true":
+            peak = peak_at(self.batch_size, self.size, "bf16-mixed")
+            if peak <= allowed:
+                lines.append(f"  or precision=bf16-mixed (traced: {format_bytes(peak)} with "
+                             "this plan; parameters, gradients and optimizer state stay fp32)")
         return lines
+
+
+#: Traces :meth:`Planner._smaller_shapes` spends on the batch an infeasible budget offers.
+SHAPE_TRACES = 3
 
 
 def _measuring_device(spec: DeviceSpec) -> torch.device:

@@ -1,6 +1,7 @@
 """The FakeTensor estimate agrees with the real MemTracker peak, and says when it cannot."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -95,6 +96,22 @@ def test_a_budget_is_sent_to_the_planner(tmp_path):
                                          r"remat.plan.*strategy=plan strategy.path="):
         estimate(compose_config("estimate", tmp_path, [*GPT, "strategy=budget",
                                                        "strategy.memory=50MiB"]))
+
+
+def test_a_plan_file_for_another_size_is_refused_as_training_refuses_it(tmp_path):
+    """strategy=plan with a plan made for another size was estimated at this one without a
+    word, where train.py refuses it; the estimator refuses it the same way."""
+    from remat.planner.plan import Plan, UnitPlan
+
+    path = Plan(units=[UnitPlan("blocks", "chain", [(0, 2, "recompute")])], batch_size=2,
+                size=96, precision="32-true").save(tmp_path / "plan.json")
+    cfg = compose_config("estimate", tmp_path, ["model=gpt_tiny", "device=cpu",
+                                                "data.batch_size=2", "+data.block_size=64",
+                                                "strategy=plan", f"strategy.path={path}"])
+    with pytest.raises(ValueError, match=re.escape(
+            f"strategy.path='{path}': the plan was made for data.block_size=96, this run has "
+            "data.block_size=64")):
+        estimate(cfg)
 
 
 def test_size_overflowing_int64_names_the_key(tmp_path):

@@ -111,6 +111,19 @@ def _needs_plan(cfg: DictConfig) -> bool:
         return False
 
 
+def _check_plan_file(cfg: DictConfig) -> None:
+    """``strategy=plan``: refuse a plan file made for another run shape, as training does
+    (:func:`remat.planner.run.check_plan_fits`; it estimated a 96 px plan at 128 px)."""
+    from remat.planner.run import check_plan_fits
+
+    try:
+        strategy = instantiate(cfg.strategy)
+    except Exception:  # noqa: BLE001 - the build names a broken strategy config
+        return
+    if getattr(strategy, "plan", None) is not None and getattr(strategy, "path", None):
+        check_plan_fits(strategy.plan, cfg, strategy.path)
+
+
 def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     """Estimate the peak memory of one training step of the configured run.
 
@@ -122,7 +135,8 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
     Raises:
         ValueError: bad sizes, precision, device, or a config group that fails to build
             (naming the group and its ``_target_``); ``strategy=budget`` (planned by
-            ``python -m remat.plan``, whose plan file this estimates).
+            ``python -m remat.plan``, whose plan file this estimates); a plan file made
+            for another run shape (``PlanMismatch``, naming ``strategy.path`` and the key).
         NotTraceable: the strategy cannot be traced under ``FakeTensorMode`` (``compile``),
             or the trace failed inside the strategy.
     """
@@ -133,6 +147,7 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
             "not a strategy to trace: python -m remat.plan with the same keys plans it and "
             "prints its predicted peak, then estimate the plan it writes with "
             "strategy=plan strategy.path=<plan.json>")
+    _check_plan_file(cfg)
     build, size_key, batch_size, size = build_from_config(cfg)
     device = resolve_device(str(cfg.get("device", "auto")))
     precision = str(cfg.precision)

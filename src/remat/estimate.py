@@ -59,6 +59,7 @@ from remat.errors import run_entry
 from remat.measure import format_bytes
 from remat.measure.kernels import KernelTemporaries, measured_temporaries, signatures_fn
 from remat.measure.trace import Estimate, in_children, trace_step
+from remat.planner.run import check_plan_fits
 from remat.strategies import NoCheckpoint
 
 _compat.preload_mem_tracker()  # imported before forking
@@ -93,14 +94,13 @@ def resolve_device(device: str) -> torch.device:
                          "auto") from err
 
 
-def _untraceable_strategy(cfg: DictConfig) -> str | None:
-    """The configured strategy's name if it says it cannot be traced (``traceable``), else
-    ``None`` (a config that does not build is left to the trace, which reports it)."""
+def _configured_strategy(cfg: DictConfig) -> Any:
+    """The configured strategy object, or ``None`` where its config does not build (the
+    trace then reports it)."""
     try:
-        strategy = instantiate(cfg.strategy)
+        return instantiate(cfg.strategy)
     except Exception:  # noqa: BLE001 - the trace reports a broken strategy config
         return None
-    return None if getattr(strategy, "traceable", True) else strategy.name
 
 
 def _needs_plan(cfg: DictConfig) -> bool:
@@ -109,19 +109,6 @@ def _needs_plan(cfg: DictConfig) -> bool:
         return bool(getattr(get_class(str(cfg.strategy.get("_target_"))), "needs_plan", False))
     except Exception:  # noqa: BLE001 - a target that does not import is the build's to name
         return False
-
-
-def _check_plan_file(cfg: DictConfig) -> None:
-    """``strategy=plan``: refuse a plan file made for another run shape, as training does
-    (:func:`remat.planner.run.check_plan_fits`; it estimated a 96 px plan at 128 px)."""
-    from remat.planner.run import check_plan_fits
-
-    try:
-        strategy = instantiate(cfg.strategy)
-    except Exception:  # noqa: BLE001 - the build names a broken strategy config
-        return
-    if getattr(strategy, "plan", None) is not None and getattr(strategy, "path", None):
-        check_plan_fits(strategy.plan, cfg, strategy.path)
 
 
 def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
@@ -147,12 +134,17 @@ def estimate(cfg: DictConfig, fake: bool = True) -> Estimate:
             "not a strategy to trace: python -m remat.plan with the same keys plans it and "
             "prints its predicted peak, then estimate the plan it writes with "
             "strategy=plan strategy.path=<plan.json>")
-    _check_plan_file(cfg)
+    strategy_obj = _configured_strategy(cfg)
+    if getattr(strategy_obj, "plan", None) is not None and getattr(strategy_obj, "path", None):
+        # a plan file made for another run shape is refused, as training refuses it (it
+        # estimated a 96 px plan at 128 px)
+        check_plan_fits(strategy_obj.plan, cfg, strategy_obj.path)
     build, size_key, batch_size, size = build_from_config(cfg)
     device = resolve_device(str(cfg.get("device", "auto")))
     precision = str(cfg.precision)
     target = str(cfg.strategy.get("_target_", ""))
-    name = _untraceable_strategy(cfg) if fake else None
+    name = (strategy_obj.name if fake and strategy_obj is not None
+            and not getattr(strategy_obj, "traceable", True) else None)
     if name is not None:
         raise NotTraceable(
             f"estimate: strategy '{name}' cannot be estimated: its work happens in compiled "

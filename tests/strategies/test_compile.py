@@ -584,3 +584,27 @@ def test_compile_true_names_the_modules_whose_random_outputs_a_compiled_plan_kee
         assert caplog.text == ""
         assert warn_random_ops_kept(net, recomputes=True, log=log) == ["1", "3", "5"]
     assert "compile=true: 1, 3, 5 draw random numbers" in caplog.text
+
+
+def test_compile_true_with_a_plan_made_for_the_eager_step_names_the_plan(caplog):
+    """strategy=plan with a plan file made without compile=true, trained compiled on a
+    network with dropout: the start says that plan leaves the masks out, naming it."""
+    import logging
+    from types import SimpleNamespace
+
+    from remat.models.base import StrategyModule
+
+    plan = SimpleNamespace(compiled=False)
+    module = SimpleNamespace(
+        compile_options={}, compiled=False,
+        net=torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)),
+        strategy=SimpleNamespace(recomputes=True, plan=plan, origin="strategy.path='p.json'"))
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        StrategyModule._compile(module)
+    assert ("compile=true with strategy.path='p.json': that plan was made for an eager step "
+            "(compiled: false)") in caplog.text
+    caplog.clear()
+    plan.compiled, module.compiled = True, False
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        StrategyModule._compile(module)
+    assert "made for an eager step" not in caplog.text

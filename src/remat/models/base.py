@@ -111,7 +111,14 @@ class StrategyModule(L.LightningModule):
             warn_random_ops_kept,
         )
 
-        warn_random_ops_kept(self.net, bool(getattr(self.strategy, "recomputes", False)), log)
+        found = warn_random_ops_kept(self.net, bool(getattr(self.strategy, "recomputes",
+                                                            False)), log)
+        plan = getattr(self.strategy, "plan", None)
+        if found and plan is not None and not getattr(plan, "compiled", True):
+            log.warning("compile=true with %s: that plan was made for an eager step "
+                        "(compiled: false), so its predicted peak leaves out those masks; "
+                        "plan for this run with python -m remat.plan ... compile=true",
+                        getattr(self.strategy, "origin", "a plan file"))
         self.compile_backend = RowBackend(TRAINING_BACKEND, options=options)
         compile_row(self.net, self.compile_backend)
         log.info("torch.compile(%s) of the network, in place%s", TRAINING_BACKEND,

@@ -295,10 +295,7 @@ class Planner:
                 for s in strategies]
         todo = {k: s for k, s in zip(keys, strategies, strict=True) if k not in self.cache}
         if todo:
-            try:
-                results = trace_steps([self._job(s, build) for s in todo.values()])
-            finally:  # traces run in this process where CUDA is up: no flag left set
-                trace_as_compiled(False)
+            results = self._trace_jobs([self._job(s, build) for s in todo.values()])
             for k, result in zip(todo, results, strict=True):
                 self.cache[k] = _traced(result)
         if build is None and not key:  # plans of this model's own units: the pool
@@ -306,6 +303,15 @@ class Planner:
                 if isinstance(s, PlanStrategy):
                     self.traced_plans.setdefault(k, s.plan)
         return [self.cache[k] for k in keys]
+
+    @staticmethod
+    def _trace_jobs(jobs: list[dict[str, Any]]) -> list[Any]:
+        """:func:`trace_steps` of ``jobs`` (:meth:`_job`'s); where they run in this process
+        (CUDA up) the compiled-trace flag their builds set is not left set."""
+        try:
+            return trace_steps(jobs)
+        finally:
+            trace_as_compiled(False)
 
     def traced_fitting(self, allowed: int) -> list[tuple[Plan, Traced]]:
         """Every plan of the candidate units traced so far (by any budget's search, the
@@ -823,10 +829,7 @@ class Planner:
             job = {**self._job(PlanStrategy(plan)), "batch_size": batch_size, "size": size}
             if precision is not None:
                 job["precision"] = precision
-            try:
-                return int(_traced(trace_steps([job])[0]).allocator_peak)
-            finally:
-                trace_as_compiled(False)
+            return int(_traced(self._trace_jobs([job])[0]).allocator_peak)
 
         if self.batch_size > 1:
             guess = min(self.batch_size - 1, max(1, math.floor(self.batch_size * scale)))

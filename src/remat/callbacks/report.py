@@ -92,8 +92,8 @@ class RunReport(L.Callback):
                           f"({type(err).__name__}: {str(err).splitlines()[0][:300]})")
         skeleton.scheduler_factory = None  # one step; the scheduler needs the trainer
 
-        compiled = (getattr(pl_module, "compile_options", None) is not None
-                    or bool(getattr(pl_module, "compiled", False)))  # compile=true
+        # compile=true: set by compile_net before the network is compiled
+        compiled = getattr(pl_module, "compile_options", None) is not None
 
         def build() -> torch.nn.Module:
             # compile=true: recomputed regions hold what compiled ones keep of dropout's draws

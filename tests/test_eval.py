@@ -5,9 +5,11 @@ import csv
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -39,12 +41,13 @@ def _size_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, dict]:
+def trained(tmp_path_factory) -> Iterator[tuple[Path, dict]]:
     """One tiny training run on synthetic data at 128 px (eval.yaml's default data is 256
     px): its last checkpoint and summary."""
     out = tmp_path_factory.mktemp("train")
     summary = train(compose_train(out, [*TINY, "data.image_size=128"]))
-    return out / "checkpoints" / "last.ckpt", summary
+    yield out / "checkpoints" / "last.ckpt", summary
+    shutil.rmtree(out, ignore_errors=True)  # its checkpoints: about 300 MB
 
 
 def test_eval_of_a_128px_run_scores_at_128px_without_overrides(tmp_path, trained):

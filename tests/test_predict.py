@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,8 @@ def trained(request, tmp_path_factory):
     summary = train(compose_train(run, [*TINY_TRAINER, "data=folder", f"data.root={root / 'data'}",
                                         "data.patch_size=32", "data.batch_size=2", *extra]))
     assert summary["status"] == "completed"
-    return encoding, root, run / "checkpoints" / "last.ckpt"
+    yield encoding, root, run / "checkpoints" / "last.ckpt"
+    shutil.rmtree(root, ignore_errors=True)  # its checkpoints: about 300 MB
 
 
 def test_predictions_are_written_at_each_images_own_size(trained, tmp_path):

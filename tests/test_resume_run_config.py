@@ -5,6 +5,7 @@ run's files, and a resume that fails leaves them byte for byte as they were."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,8 @@ def runs(tmp_path_factory):
     resumed = run_python([train_py, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"],
                          cwd=root)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return root / "ref", run, kept, stopped
+    yield root / "ref", run, kept, stopped
+    shutil.rmtree(root, ignore_errors=True)  # three runs' checkpoints: about 500 MB
 
 
 def test_sigterm_saves_the_step_it_interrupted_and_says_so(runs):

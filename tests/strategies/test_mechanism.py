@@ -17,6 +17,7 @@ import remat.strategies.recompute as recompute
 from remat.measure import PeakMemory
 from remat.strategies import RecomputeError, StageError, build_strategy, unwrap_all
 from tests.strategies import axes
+from tests.strategies.common import assert_same_function, train_step
 from tests.strategies.test_selective import TinyGPT
 
 # eager strategies (peaks measured with MemTracker), plus an op list of selective's own
@@ -260,6 +261,120 @@ def test_an_input_changed_in_place_after_the_forward_names_the_unit():
     h.add_(1)  # changes the kept input of unit '1' after its forward call
     with pytest.raises(RecomputeError, match=r"input.*of the recomputed unit '1\.0'.*in place"):
         out.sum().backward()
+
+
+# --- units that write their kept input in place ------------------------------------------
+
+
+def _conv_chain() -> nn.Sequential:
+    """torchvision's ResNet stem and DeepLab's ASPP branches: ``ReLU(inplace=True)`` members
+    of a chain, each a one-block segment under ``full``."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                         nn.Conv2d(8, 2, 1))
+
+
+def _steps(model: nn.Module, x: torch.Tensor, n: int = 3) -> list:
+    return [train_step(model, x, seed=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["full", "sqrtn", "every_k", "selective", "offload"])
+def test_in_place_activation_units_compute_none_s_function(name):
+    """Each step (the first, which learns which units write their input, and the later
+    ones) gives none's outputs, gradients and BatchNorm statistics exactly."""
+    x = torch.randn(2, 3, 12, 12)
+    reference = _steps(_conv_chain(), x)
+    model = _conv_chain()
+    build_strategy(name).apply(model, [""])
+    for got, ref in zip(_steps(model, x), reference, strict=True):
+        assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
+        for key, value in ref[2].items():
+            assert torch.equal(got[2][key], value), key
+
+
+def test_a_segment_that_starts_at_an_in_place_block_joins_the_one_before_it():
+    """``full``: the ReLUs' one-block segments join the BatchNorms' before them (the
+    planner's :func:`~remat.planner.search.replayable_segments`), said once."""
+    model = _conv_chain()
+    build_strategy("full").apply(model, [""])
+    with pytest.warns(UserWarning) as caught:
+        _steps(model, torch.randn(2, 3, 12, 12))
+    said = [str(w.message) for w in caught if "writes its input in place" in str(w.message)]
+    assert len(said) == 2
+    assert "'2' writes its input in place" in said[0] and "[2:3] joins" in said[0]
+    assert said[1].endswith("[(0, 1), (1, 3), (3, 4), (4, 6), (6, 7)]")
+    assert model[0]._remat_wrap.chain.bounds == [(0, 1), (1, 3), (3, 4), (4, 6), (6, 7)]
+
+
+def test_an_in_place_block_at_a_chains_start_runs_without_a_checkpoint():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 6),
+                                                        nn.Tanh(), nn.Linear(6, 2)))
+    x = torch.randn(4, 6)
+    reference = _steps(copy.deepcopy(base), x)
+    build_strategy("sqrtn").apply(base, ["1"])  # segments [0:2], [2:4]
+    with pytest.warns(UserWarning, match=r"'1\.0' writes.*runs without a checkpoint"):
+        got = _steps(base, x)
+    for g, r in zip(got, reference, strict=True):
+        assert_same_function(g, r, rtol=0, atol=0, exact_output=True)
+    assert base[1][1]._remat_wrap.chain.bounds == [(0, 1), (1, 2), (2, 4)]
+
+
+class WritesInput(nn.Module):
+    """A block that writes its input first (``x.mul_``, or into a slice of it)."""
+
+    def __init__(self, part: bool = False) -> None:
+        super().__init__()
+        self.part = part
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        if self.part:
+            x[:, :2].zero_()
+        else:
+            x.mul_(2)
+        return torch.tanh(self.fc(x))
+
+
+class Loop(nn.Module):
+    """A parent that computes each block's input (``h * 1``): kept inputs of the segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList([WritesInput(part=i % 2 == 1) for i in range(4)])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h * 1) + h
+        return h
+
+
+@pytest.mark.parametrize("name,stages", [("full", ["1"]), ("selective", ["1"]),
+                                         ("sqrtn", ["blocks"]), ("full", ["blocks"])])
+def test_blocks_that_write_inputs_the_parent_computed_recompute_from_copies(name, stages):
+    """Inputs no replay makes again (a lone unit's, a parent's ``h * 1``): copied before the
+    first write, on every step; a second backward through the same graph (retain_graph)
+    replays from the copy again."""
+    torch.manual_seed(0)
+    base = (Loop() if stages == ["blocks"]
+            else nn.Sequential(nn.Linear(6, 6), WritesInput(), nn.Linear(6, 2)))
+    x = torch.randn(4, 6)
+    results = []
+    for strategy in (build_strategy("none"), build_strategy(name)):
+        model = copy.deepcopy(base)
+        strategy.apply(model, stages)
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            out = model(x).square().sum()
+            out.backward(retain_graph=True)
+            out.backward()
+            results.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for got, ref in zip(results[2:], results[:2], strict=True):
+        for key, grad in ref.items():
+            torch.testing.assert_close(got[key], grad, rtol=0, atol=0, msg=key)
 
 
 # --- autocast -------------------------------------------------------------------------

@@ -33,6 +33,14 @@ What the replay keeps from the forward:
 - other buffers the unit's forward changes in place (learned at its first call: e.g. the
   power-iteration vectors of spectral norm) are replayed from their values before the
   call, and the replay's writes are discarded;
+- a kept input the call itself writes in place (``nn.ReLU(inplace=True)`` as a unit of its
+  own, ``x += pos`` at the top of a block; learned at the unit's first call, watched at
+  every later one) is copied just before the first write, and the replay starts from the
+  copy. In a chain of a fixed strategy (``full``, ``sqrtn``, ``every_k``, ``selective``)
+  the segment that starts at such a block joins the segment before it, whose recompute
+  makes the block's input again (no copy from the next forward on), or, at the chain's
+  start, the block runs without a checkpoint; the planner models the same
+  (:func:`remat.planner.search.replayable_segments`);
 - SyncBatchNorm in a recomputed unit would all-reduce again during the replay (one more
   collective per layer per step): a call that would do so is refused naming the module;
 - a key/value cache passed to a recomputed layer in training would be appended to twice;
@@ -60,7 +68,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,11 +254,13 @@ class UnitState:
     """Per-unit knowledge kept between calls (rebuilt after pickling): the buffers its
     forward changes that are not norm statistics (learned at the first call), and whether
     its checkpoint frees nothing (``plain``: the strategy's forward context said
-    ``saves_nothing`` after a call), so later calls run without one."""
+    ``saves_nothing`` after a call), so later calls run without one, and whether a call
+    wrote into one of its kept inputs (``writes_inputs``: later calls are watched)."""
 
     learned: bool = False
     stateful: set[tuple[int, str]] = field(default_factory=set)
     plain: bool = False
+    writes_inputs: bool = False  # a call wrote into a kept input (:class:`_InputWrites`)
 
 
 def _is_norm_stat(module: nn.Module, name: str) -> bool:
@@ -398,6 +408,97 @@ def _device_type(tensors: list[torch.Tensor]) -> str:
     return "cpu"
 
 
+def written_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an ATen op call writes into: its schema's mutable arguments (``self`` of
+    ``relu_`` and ``add_``, ``out=``, the running statistics of ``native_batch_norm``)."""
+    schema = _compat.op_schema(op, missing_ok=True)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
+
+
+def _storage_key(t: Any) -> int | None:
+    try:
+        return _compat.storage_id(t)
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, some subclasses
+        return None
+
+
+class _InputWrites(_compat.TorchDispatchMode):
+    """Over one call of a region: copy each kept input (a tape external) just before an op
+    first writes into its storage, and put the copy on the tape, so the replay starts from
+    the values the call was given (module docstring).
+
+    Args:
+        tape: the region's tape.
+        indices: the tape externals the call reads (views of one storage are all copied
+            when any of them is written).
+    """
+
+    def __init__(self, tape: _Tape, indices: Sequence[int]) -> None:
+        super().__init__()
+        self.tape = tape
+        self.watched: dict[int, list[int]] = {}
+        for i in dict.fromkeys(indices):
+            key = _storage_key(tape.externals[i])
+            if key is not None:
+                self.watched.setdefault(key, []).append(i)
+        self.copied: dict[int, torch.Tensor] = {}  # external index -> the tensor copied
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.watched:
+            for t in written_tensors(func, args, kwargs):
+                for i in self.watched.pop(_storage_key(t), ()):
+                    kept = self.tape.externals[i]
+                    if _compat.tensor_version(kept) == self.tape.versions[i]:
+                        # below autograd (no graph); later modes (memory trackers) see it
+                        self.tape.externals[i] = kept.clone()
+                        self.copied[i] = kept
+        return func(*args, **kwargs)
+
+    def finish(self) -> None:
+        """After the call: the tape knows its copies (no one else holds them, so no
+        version check) and whether the tensors copied required grad."""
+        for i, kept in self.copied.items():
+            self.tape.copies[i] = kept.requires_grad
+            self.tape.versions[i] = None
+
+
+def _writable_copy(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A copy of ``t`` for a replay to write into: with ``requires_grad`` a non-leaf that
+    requires grad (the replay then saves what the forward saved; autograd refuses in-place
+    writes into a leaf that requires grad), through :class:`_Attach`."""
+    copy = t.detach().clone()
+    if not requires_grad:
+        return copy
+    with torch.enable_grad():
+        return _Attach.apply(copy, torch.zeros((), device=copy.device, requires_grad=True))
+
+
+class _Attach(torch.autograd.Function):
+    """``copy`` itself, marked written in place by a node that takes ``anchor``: a tensor
+    without grad becomes a non-leaf that requires grad, sharing its storage (the replay may
+    write into it in place, which autograd refuses on a leaf). Its backward never runs (a
+    replay's graph is not differentiated)."""
+
+    @staticmethod
+    def forward(ctx: Any, copy: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(copy)
+        return copy
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
 @dataclass(eq=False)
 class _Call:
     """One recorded call of a region: how to run it again."""
@@ -429,6 +530,8 @@ class _Tape:
         self.versions: list[int | None] = []
         self.current = label
         self.kept: list[torch.Tensor] = []  # a compiled region's random draws (traces)
+        # external index -> requires_grad of the input a call wrote in place (_InputWrites)
+        self.copies: dict[int, bool] = {}
 
     def replay(self, *_inputs: Any) -> None:
         """Run the region's calls again (torch calls this from its unpack hook)."""
@@ -471,6 +574,8 @@ class _Tape:
                     f"'{self.label}' (strategy '{self.strategy}') was changed in place after "
                     "its forward call, so its recompute would see other values. Make the "
                     "in-place operation out-of-place (e.g. inplace=False, x = x + y).")
+            if i in self.copies:  # the replay writes into it again: into a copy of the copy
+                value = _writable_copy(value, self.copies[i])
             values.append(value)
         devices = sorted({d for call in self.calls for d in call.devices})
         device_type = next((c.device_type for c in self.calls if c.devices), "cuda")
@@ -571,9 +676,23 @@ class Region:
             # torch's early stop ends a recompute by raising inside it; the TorchScript
             # interpreter turns that into an empty RuntimeError, so run the replay through
             self.frame.early_stop = False
+        # a call that may write into a kept input (a unit's first call, and every call of a
+        # unit that did): copied before the write. Entered below the strategy's own modes,
+        # so a selective region's cache does not see the copy.
+        writes: Any = contextlib.nullcontext()
+        if self._pack is None and (not wrap.state.learned or wrap.state.writes_inputs):
+            watch = _InputWrites(self.tape, [s[1] for s in sources if s[0] == "e"])
+            writes = watch if watch.watched else writes
         draws = _CompiledDraws() if _as_compiled.on else contextlib.nullcontext()
-        with _compat.checkpoint_hook(self.frame), self.forward_ctx, draws:
+        with _compat.checkpoint_hook(self.frame), writes, self.forward_ctx, draws:
             out = forward(*args, **kwargs)
+        if isinstance(writes, _InputWrites) and writes.copied:
+            writes.finish()
+            for kept in writes.copied.values():
+                self._externals.pop(id(kept), None)  # its later values are not the copy's
+            wrap.state.writes_inputs = True
+            if wrap.chain is not None and len(self.tape.calls) == 1:
+                wrap.chain.join_writer(wrap, self)
         if isinstance(draws, _CompiledDraws) and draws.nbytes:
             # what the compiled region keeps of its random draws, alive until its backward
             self.tape.kept.append(torch.empty(draws.nbytes, dtype=torch.uint8,
@@ -594,15 +713,49 @@ class ChainPlan:
     Args:
         path: the chain's dotted path.
         bounds: half-open member ranges, one per segment, partitioning the chain.
+        joins: every segment recomputes with the same strategy (a fixed strategy's chain,
+            not a plan's mix of kept, offloaded and recomputed segments): a segment whose
+            first block writes its input in place may join the one before it
+            (:meth:`join_writer`).
     """
 
-    def __init__(self, path: str, bounds: list[tuple[int, int]]) -> None:
+    def __init__(self, path: str, bounds: list[tuple[int, int]], joins: bool = False) -> None:
         self.path = path
+        self.joins = joins
+        self._set_bounds(bounds)
+        self._open: Region | None = None
+        self.position = -1  # the member position of the chain's last call in this forward
+
+    def _set_bounds(self, bounds: list[tuple[int, int]]) -> None:
         self.bounds = list(bounds)
         self.segment_of = [i for i, (start, end) in enumerate(self.bounds)
                            for _ in range(start, end)]
-        self._open: Region | None = None
-        self.position = -1  # the member position of the chain's last call in this forward
+
+    def join_writer(self, wrap: Any, region: Region) -> None:
+        """Member ``wrap`` starts segment ``region.segment`` and wrote its input in place
+        (:class:`_InputWrites` copied it for this call): from the next forward on, its
+        segment joins the one before it, whose replay makes that input again, or, at the
+        chain's start, the member runs without a checkpoint and the rest of its segment
+        stays one. The same as :func:`remat.planner.search.replayable_segments`."""
+        segment = region.segment
+        if not self.joins or segment is None or self.bounds[segment][0] != region.last_index:
+            return
+        start, end = self.bounds[segment]
+        bounds = list(self.bounds)
+        if segment > 0:
+            bounds[segment - 1:segment + 1] = [(bounds[segment - 1][0], end)]
+            done = f"joins the one before it, {self.path}[{bounds[segment - 1][0]}:{start}]"
+        else:
+            bounds[0:1] = [(0, 1)] + ([(1, end)] if end > 1 else [])
+            wrap.state.plain = True
+            done = "runs without a checkpoint (the chain's first block)"
+        self._set_bounds(bounds)
+        self._open = None
+        _warn_once(f"writer:{id(self)}:{region.last_index}",
+                   f"remat: '{wrap.path}' writes its input in place (e.g. inplace=True): "
+                   f"its segment {self.path}[{start}:{end}] {done}, so its recompute "
+                   "starts from values the forward did not overwrite; the segments of "
+                   f"{repr(self.path) if self.path else 'the model'} are now {self.bounds}")
 
     def member_index(self, wrap: Any) -> int:
         """The chain position of this call of ``wrap``'s module: its own, or, for a module

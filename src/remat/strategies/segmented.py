@@ -72,7 +72,7 @@ class RecomputeStrategy(CheckpointStrategy):
         if isinstance(module, CHAIN_TYPES):
             members = chain_members(module)
             bounds = self.segments_for(len(members))
-            plan = ChainPlan(path, bounds)
+            plan = ChainPlan(path, bounds, joins=True)
             for name, member, indices in wrapping.distinct_members(members):
                 wrapping.install(member, wrapping.Wrap(
                     self, child_path(path, name), self.run, chain=plan, index=indices[0],

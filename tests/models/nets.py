@@ -51,6 +51,14 @@ class ReturnsTuple(TinyUNet):
         return out, out
 
 
+class ReturnsDict(TinyUNet):
+    """A mapping under keys no library uses for its logits."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().forward(x)
+        return {"main": out, "aux": out}
+
+
 class ElementwiseBlock(nn.Module):
     """Four ``sin`` steps: every step saves its input, none is a matmul or convolution, so
     recomputing the block costs no counted FLOPs. Shapes: ``(B, C, H, W) -> same``."""

@@ -69,6 +69,55 @@ def test_budget_plans_a_net_given_by_target(tmp_path, net):
     assert abs(plan["measured_over_predicted"] - 1) <= 0.03
 
 
+# torchvision's segmentation models return {"out": logits}; its LRASPP is the smallest, and
+# its MobileNetV3 backbone is a chain of in-place Hardswish/ReLU blocks
+TORCHVISION = ["model=custom",
+               "model.net._target_=torchvision.models.segmentation.lraspp_mobilenet_v3_large",
+               "+model.net.weights=null", "+model.net.weights_backbone=null",
+               "+model.net.num_classes=1"]
+# Hugging Face's SegFormer returns a SemanticSegmenterOutput whose logits are 1/4 of the
+# input's side; its config built by Hydra too (a tiny one)
+SEGFORMER = ["model=custom", "model.net._target_=transformers.SegformerForSemanticSegmentation",
+             "+model.net.config._target_=transformers.SegformerConfig",
+             "+model.net.config.num_labels=1", "+model.net.config.depths=[1,1,1,1]",
+             "+model.net.config.hidden_sizes=[8,16,32,64]",
+             "+model.net.config.decoder_hidden_size=16"]
+
+
+@pytest.mark.parametrize("net,strategy", [(TORCHVISION, "full"), (SEGFORMER, "sqrtn")],
+                         ids=["torchvision_lraspp", "hf_segformer"])
+def test_library_segmentation_nets_train_with_none_s_gradients(tmp_path, net, strategy):
+    """Their outputs' logits (a dict's ``out``, a ``ModelOutput``'s ``logits`` resized to
+    the input's size) are the module's output; the strategy on auto stages changes no
+    gradient."""
+    torch.manual_seed(0)
+    none = built(tmp_path / "a", [*net, "strategy=none"])
+    other = built(tmp_path / "b", [*net, f"strategy={strategy}"])
+    other.load_state_dict(none.state_dict())
+    assert other.strategy_report.wrapped
+    batch = none.example_batch(2, 64, torch.Generator().manual_seed(1))
+    for model in (none, other):
+        model.train()
+        assert model(batch["image"]).shape == (2, 1, 64, 64)
+        torch.manual_seed(2)
+        model.training_loss(batch).backward()
+    for (name, a), (_, b) in zip(none.named_parameters(), other.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_smaller_logits_are_resized_bilinearly_and_said_at_build(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="remat.models.segmentation"):
+        model = built(tmp_path, SEGFORMER).eval()
+    assert ("returns logits of spatial size 16x16 for a 64x64 input: resized to the input's "
+            "size (bilinear)") in caplog.text
+    images = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        raw = model.net(images).logits
+        expected = torch.nn.functional.interpolate(raw, size=(64, 64), mode="bilinear",
+                                                   align_corners=False)
+        torch.testing.assert_close(model(images), expected, rtol=0, atol=0)
+
+
 def test_output_channels_that_differ_from_num_classes_fail_at_build(tmp_path):
     with pytest.raises(InstantiationException) as info:
         built(tmp_path, [*PLAIN, "+model.net.out_channels=3"])
@@ -80,6 +129,11 @@ def test_output_channels_that_differ_from_num_classes_fail_at_build(tmp_path):
             "data.num_classes=3)") in message
     with pytest.raises(InstantiationException, match="returns tuple, not a tensor"):
         built(tmp_path, ["model=custom", "model.net._target_=tests.models.nets.ReturnsTuple"])
+    with pytest.raises(InstantiationException) as info:
+        built(tmp_path, ["model=custom", "model.net._target_=tests.models.nets.ReturnsDict"])
+    assert ("returns dict with keys ['aux', 'main'], not a tensor; SegmentationModule needs "
+            "logits [B, model.num_classes, H, W]: a tensor, a mapping with one of the keys "
+            "['out', 'logits']") in str(info.value.__cause__ or info.value)
 
 
 def test_a_strategy_that_would_wrap_nothing_is_refused_naming_the_modules(tmp_path):

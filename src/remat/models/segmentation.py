@@ -4,7 +4,7 @@ architecture and encoder, or a ready network (ViT segmenter, MONAI 2D/3D nets)."
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import segmentation_models_pytorch as smp
@@ -44,18 +44,68 @@ PROBE_SIZE = 64
 PROBE_SIZE_3D = 32
 
 
+#: keys of the segmentation logits in a network's mapping output, in the order looked up:
+#: torchvision's segmentation models (``{"out": ..., "aux": ...}``), Hugging Face's
+#: ``ModelOutput`` (``logits``)
+LOGITS_KEYS = ("out", "logits")
+
+
+def main_logits(out: Any) -> Any:
+    """The segmentation logits in a network's output: a tensor as it is; of a mapping
+    (torchvision's ``FCN``/``DeepLabV3``/``LRASPP`` dict, a Hugging Face ``ModelOutput``)
+    the entry under the first of :data:`LOGITS_KEYS` it holds (torchvision's auxiliary
+    ``aux`` head is left out of the loss); of another object its ``logits`` attribute.
+    Anything else (a deep-supervision tuple, whose main output is first in some libraries
+    and last in others) is returned as it is, for :func:`not_logits_message`."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        for key in LOGITS_KEYS:
+            if isinstance(out.get(key), torch.Tensor):
+                return out[key]
+        return out
+    logits = getattr(out, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else out
+
+
+def not_logits_message(name: str, out: Any) -> str:
+    """Why ``out`` (what ``name`` returned) holds no logits :func:`main_logits` can take."""
+    kind = type(out).__name__
+    if isinstance(out, Mapping):
+        kind += f" with keys {sorted(map(str, out))}"
+    return (f"{name} returns {kind}, not a tensor; SegmentationModule needs logits "
+            f"[B, model.num_classes, H, W]: a tensor, a mapping with one of the keys "
+            f"{list(LOGITS_KEYS)} (torchvision, Hugging Face) or an object with .logits. "
+            "Wrap the net so its forward returns the main output (of a deep-supervision "
+            "tuple, the one at full resolution)")
+
+
+def upsample_logits(logits: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """``logits [B, C, *s]`` resized to ``size`` when every side of ``s`` is at most the
+    input's and one is smaller (Hugging Face's SegFormer gives 1/4 of the input's side):
+    bilinear (volumes trilinear), ``align_corners=False``, as transformers' semantic
+    segmentation models resize their logits for their own loss. Others as they are."""
+    spatial = tuple(logits.shape[2:])
+    size = tuple(size)
+    if spatial == size or len(spatial) != len(size) or any(
+            a > b for a, b in zip(spatial, size, strict=True)):
+        return logits
+    mode = "bilinear" if len(size) == 2 else "trilinear"
+    return nn.functional.interpolate(logits, size=size, mode=mode, align_corners=False)
+
+
 def check_net_output(net: nn.Module, in_channels: int, num_classes: int,
                      spatial_dims: int = 2) -> None:
     """Run ``net`` once on a zero image ``[1, in_channels, 64, 64]`` (3D: a zero volume
     ``[1, in_channels, 32, 32, 32]``; ``eval()``, no grad, no random numbers drawn, train
-    mode restored) and check it returns logits ``[1, num_classes, 64, 64]`` (3D:
-    ``[1, num_classes, 32, 32, 32]``). A network that cannot take that input (a fixed image
+    mode restored) and check its :func:`main_logits` are ``[1, num_classes, 64, 64]`` (3D:
+    ``[1, num_classes, 32, 32, 32]``), or smaller sides (resized in ``forward``). A network that cannot take that input (a fixed image
     size, another channel count it states itself) is not checked here; the first step
     reports it.
 
     Raises:
-        ValueError: the output is no tensor, has another channel count than
-            ``model.num_classes`` or another spatial size; names ``model.net`` (its class),
+        ValueError: the output holds no logits, has another channel count than
+            ``model.num_classes`` or a larger spatial size; names ``model.net`` (its class),
             ``model.num_classes`` and the fix.
     """
     name = f"model.net ({type(net).__module__}.{type(net).__qualname__})"
@@ -71,11 +121,9 @@ def check_net_output(net: nn.Module, in_channels: int, num_classes: int,
         return
     finally:
         net.train(training)
+    out = main_logits(out)
     if not isinstance(out, torch.Tensor):
-        raise ValueError(
-            f"{name} returns {type(out).__name__}, not a tensor; SegmentationModule needs logits "
-            f"[B, model.num_classes, H, W] (wrap the net so its forward returns the main "
-            "output, e.g. the first of a deep-supervision tuple)")
+        raise ValueError(not_logits_message(name, out))
     ndim = 2 + spatial_dims
     if out.ndim != ndim or out.shape[1] != num_classes:
         got = tuple(out.shape)
@@ -89,11 +137,16 @@ def check_net_output(net: nn.Module, in_channels: int, num_classes: int,
             f"{name} returns logits of shape {got} for a {[1, in_channels, *spatial]} input, "
             f"but model.num_classes={num_classes} (1 = binary) needs "
             f"{[1, num_classes, *spatial]}; {fix}")
-    if tuple(out.shape[2:]) != spatial:
+    if tuple(upsample_logits(out, spatial).shape[2:]) != spatial:
         raise ValueError(
             f"{name} returns logits of spatial size {tuple(out.shape[2:])} for a "
-            f"{shown} input; segmentation logits must have the input's size "
-            "(upsample inside the net)")
+            f"{shown} input; segmentation logits must have the input's size, or a smaller "
+            "one (resized to it), never a larger one (crop inside the net)")
+    if tuple(out.shape[2:]) != spatial:
+        log.info("%s returns logits of spatial size %s for a %s input: resized to the "
+                 "input's size (%s) for the loss and the metrics", name,
+                 "x".join(map(str, out.shape[2:])), shown,
+                 "bilinear" if spatial_dims == 2 else "trilinear")
 
 
 class SegmentationModule(StrategyModule):
@@ -210,8 +263,17 @@ class SegmentationModule(StrategyModule):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """``[B, in_channels, H, W]`` -> logits ``[B, num_classes, H, W]`` (volumes:
-        ``[B, in_channels, D, H, W]`` -> ``[B, num_classes, D, H, W]``)."""
-        return self.net(images)
+        ``[B, in_channels, D, H, W]`` -> ``[B, num_classes, D, H, W]``): the network's
+        :func:`main_logits`, resized to the input's size if smaller (:func:`upsample_logits`).
+
+        Raises:
+            ValueError: the network's output holds no logits (:func:`not_logits_message`).
+        """
+        out = self.net(images)
+        logits = main_logits(out)
+        if not isinstance(logits, torch.Tensor):
+            raise ValueError(not_logits_message(f"model.net ({type(self.net).__name__})", out))
+        return upsample_logits(logits, images.shape[2:])
 
     def infer(self, images: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, num_classes, H, W]`` of whole images at their own size: sliding-window

@@ -751,7 +751,7 @@ class ChainPlan:
             done = "runs without a checkpoint (the chain's first block)"
         self._set_bounds(bounds)
         self._open = None
-        _warn_once(f"writer:{id(self)}:{region.last_index}",
+        _warn_once(f"writer:{self.path}:{region.last_index}:{self.bounds}",
                    f"remat: '{wrap.path}' writes its input in place (e.g. inplace=True): "
                    f"its segment {self.path}[{start}:{end}] {done}, so its recompute "
                    "starts from values the forward did not overwrite; the segments of "

@@ -292,6 +292,10 @@ def test_globs_pair_names_with_suffixes_and_subfolders(tmp_path):
     ({"threshold": 300}, "data.threshold is a grey level"),
     ({"val_fraction": 1.0}, "data.val_fraction must be between 0 and 1"),
     ({"class_names": ["a", "b", "c"]}, "data.class_names has 3 names for 2 classes"),
+    ({"mask_encoding": "colors", "colors": {"bg": "#000000", "road": "#FFFFFF"},
+      "class_names": ["background", "road"]},
+     r"data.class_names \['background', 'road'\] and the names data.colors gives its colours "
+     r"\['bg', 'road'\] disagree"),
     ({"normalize": "zscore"}, "data.normalize must be one of"),
 ])
 def test_bad_settings_name_the_key(options, match):

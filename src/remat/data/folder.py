@@ -594,6 +594,11 @@ class FolderSegDataModule(PatchSegDataModule):
         self.threshold = threshold
         self.num_classes = num_classes
         k = max(2, num_classes)
+        if class_names and names_from_colours and list(class_names) != names_from_colours:
+            raise ValueError(f"data.class_names {list(class_names)} and the names data.colors "
+                             f"gives its colours {names_from_colours} disagree; name the "
+                             "classes in one place (drop data.class_names, or give "
+                             "data.colors as a list of colours)")
         names = list(class_names) if class_names else names_from_colours
         if names is not None and len(names) != k:
             raise ValueError(f"data.class_names has {len(names)} names for {k} classes "

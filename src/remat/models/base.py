@@ -84,9 +84,13 @@ class StrategyModule(L.LightningModule):
             if own_units:
                 raise  # a plan names its units (and its file) itself; model.stages is unused
             raise StageError(f"model.stages={stages}: {err}") from err
-        log.info("strategy %s wrapped %d modules in %s: %s", self.strategy_report.strategy,
-                 len(self.strategy_report.wrapped), ", ".join(self.strategy_report.stages),
-                 self.strategy_report.segments)
+        report = self.strategy_report
+        if report.strategy == "none":
+            log.info("strategy none: every activation is kept (nothing recomputed)")
+        else:
+            log.info("strategy %s wrapped %d modules in %s%s", report.strategy,
+                     len(report.wrapped), ", ".join(report.stages),
+                     f": segments {report.segments}" if report.segments else "")
 
     def compile_net(self, options: dict[str, Any] | None = None) -> None:
         """Have ``self.net`` compiled with ``torch.compile`` (inductor, with its config

@@ -128,11 +128,13 @@ class BudgetStrategy(CheckpointStrategy):
         request = self.request(default_stages, reshard_after_forward, compiled)
         request["budget_bytes"] = int(budget_bytes)
         plan = planned.plan
+        # a compiled step's plan: its none is still the eager step's (not traced compiled)
         log.info("plan for %s on %s (%.1f s): predicted peak %s (allocator; tensors %s, "
-                 "none %s), recompute FLOPs x%.3f of none, modelled step time x%.3f\n%s",
+                 "%s %s), recompute FLOPs x%.3f of none, modelled step time x%.3f\n%s",
                  format_bytes(budget_bytes), self.spec.name, planned.seconds,
                  format_bytes(plan.predicted_allocator_peak_bytes),
-                 format_bytes(plan.predicted_peak_bytes), format_bytes(plan.none_peak_bytes),
+                 format_bytes(plan.predicted_peak_bytes),
+                 "eager none" if compiled else "none", format_bytes(plan.none_peak_bytes),
                  1 + plan.recompute_flops / max(plan.step_flops, 1), plan.predicted_overhead,
                  plan.summary())
         strategy = PlanStrategy(plan, origin=f"strategy=budget, planned for "

@@ -298,6 +298,7 @@ def test_a_segment_that_starts_at_an_in_place_block_joins_the_one_before_it():
     planner's :func:`~remat.planner.search.replayable_segments`), said once."""
     model = _conv_chain()
     build_strategy("full").apply(model, [""])
+    recompute._warned.clear()  # said once a process: other tests' chains said it already
     with pytest.warns(UserWarning) as caught:
         _steps(model, torch.randn(2, 3, 12, 12))
     said = [str(w.message) for w in caught if "writes its input in place" in str(w.message)]
@@ -314,6 +315,7 @@ def test_an_in_place_block_at_a_chains_start_runs_without_a_checkpoint():
     x = torch.randn(4, 6)
     reference = _steps(copy.deepcopy(base), x)
     build_strategy("sqrtn").apply(base, ["1"])  # segments [0:2], [2:4]
+    recompute._warned.clear()
     with pytest.warns(UserWarning, match=r"'1\.0' writes.*runs without a checkpoint"):
         got = _steps(base, x)
     for g, r in zip(got, reference, strict=True):

@@ -15,7 +15,13 @@ from torch import nn
 
 import remat.strategies.recompute as recompute
 from remat.measure import PeakMemory
-from remat.strategies import RecomputeError, StageError, build_strategy, unwrap_all
+from remat.strategies import (
+    RecomputeError,
+    SelectiveCheckpoint,
+    StageError,
+    build_strategy,
+    unwrap_all,
+)
 from tests.strategies import axes
 from tests.strategies.common import assert_same_function, train_step
 from tests.strategies.test_selective import TinyGPT
@@ -267,12 +273,14 @@ def test_an_input_changed_in_place_after_the_forward_names_the_unit():
 
 
 def _conv_chain() -> nn.Sequential:
-    """torchvision's ResNet stem and DeepLab's ASPP branches: ``ReLU(inplace=True)`` members
-    of a chain, each a one-block segment under ``full``."""
+    """torchvision's ResNet stem and DeepLab's ASPP branches, MobileNetV3's Hardswish: in-place
+    activations as members of a chain, each a one-block segment under ``full``. Not only
+    ReLU: its second application changes nothing, so a replay that applied it twice, or
+    read the changed values, would pass unseen."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                         nn.Conv2d(8, 2, 1))
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                         nn.Hardswish(inplace=True), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.BatchNorm2d(8), nn.SiLU(inplace=True), nn.Conv2d(8, 2, 1))
 
 
 def _steps(model: nn.Module, x: torch.Tensor, n: int = 3) -> list:
@@ -368,7 +376,7 @@ def test_blocks_that_write_inputs_the_parent_computed_recompute_from_copies(name
     for strategy in (build_strategy("none"), build_strategy(name)):
         model = copy.deepcopy(base)
         strategy.apply(model, stages)
-        for step in range(2):
+        for _ in range(2):
             model.zero_grad(set_to_none=True)
             out = model(x).square().sum()
             out.backward(retain_graph=True)
@@ -377,6 +385,32 @@ def test_blocks_that_write_inputs_the_parent_computed_recompute_from_copies(name
     for got, ref in zip(results[2:], results[:2], strict=True):
         for key, grad in ref.items():
             torch.testing.assert_close(got[key], grad, rtol=0, atol=0, msg=key)
+
+
+class _Segments(SelectiveCheckpoint):
+    def __init__(self, bounds: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.bounds = bounds
+
+    def segments_for(self, n: int) -> list[tuple[int, int]]:
+        return self.bounds
+
+
+@pytest.mark.parametrize("bounds", [[(0, 3)], [(0, 1), (1, 3)], [(0, 2), (2, 3)]])
+def test_selective_segments_of_several_blocks_compute_none_s_function(bounds):
+    """A selective segment of several blocks (a plan's, or one joined to the block before
+    it) settles what it keeps after its last call: settled after each call, a later call's
+    reads of an earlier call's output found it dropped (uninitialised values, gradients
+    off by 1e20)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1),
+                         nn.Sequential(nn.Hardswish(), nn.Conv2d(8, 8, 3, padding=1)),
+                         nn.Sequential(nn.SiLU(), nn.Conv2d(8, 1, 1)))
+    x = torch.randn(2, 3, 16, 16)
+    reference = _steps(copy.deepcopy(base), x)
+    _Segments(bounds).apply(base, [""])
+    for got, ref in zip(_steps(base, x), reference, strict=True):
+        assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
 
 
 # --- autocast -------------------------------------------------------------------------

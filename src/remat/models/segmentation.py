@@ -99,9 +99,9 @@ def check_net_output(net: nn.Module, in_channels: int, num_classes: int,
     """Run ``net`` once on a zero image ``[1, in_channels, 64, 64]`` (3D: a zero volume
     ``[1, in_channels, 32, 32, 32]``; ``eval()``, no grad, no random numbers drawn, train
     mode restored) and check its :func:`main_logits` are ``[1, num_classes, 64, 64]`` (3D:
-    ``[1, num_classes, 32, 32, 32]``), or smaller sides (resized in ``forward``). A network that cannot take that input (a fixed image
-    size, another channel count it states itself) is not checked here; the first step
-    reports it.
+    ``[1, num_classes, 32, 32, 32]``), or smaller sides (resized in ``forward``). A network
+    that cannot take that input (a fixed image size, another channel count it states
+    itself) is not checked here; the first step reports it.
 
     Raises:
         ValueError: the output holds no logits, has another channel count than

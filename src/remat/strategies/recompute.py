@@ -532,11 +532,16 @@ class _Tape:
         self.kept: list[torch.Tensor] = []  # a compiled region's random draws (traces)
         # external index -> requires_grad of the input a call wrote in place (_InputWrites)
         self.copies: dict[int, bool] = {}
+        # the forward context's settle while the region's forward may go on (Region.finish)
+        self.finish_forward: Callable[[], None] | None = None
 
     def replay(self, *_inputs: Any) -> None:
         """Run the region's calls again (torch calls this from its unpack hook)."""
         # a compiled region's kept draws (traces) stand for what its recompute makes again
         self.kept.clear()
+        if self.finish_forward is not None:  # backward before the segment's last call
+            finish, self.finish_forward = self.finish_forward, None
+            finish()
         with _recomputing():
             try:
                 self._replay()
@@ -628,6 +633,10 @@ class Region:
         self.frame = _compat.new_checkpoint_frame(self.tape.replay, self.tape.raise_named)
         self.segment = segment
         self.last_index = -1
+        # whether the current call is the region's last (a chain's segment sets it per call)
+        self.closing = True
+        self.wraps: list[Any] = []
+        self.tape.finish_forward = getattr(forward_ctx, "finish", None)
         self._first: tuple[nn.Module, str] | None = None  # its first block (FSDP check)
         self._outputs: list[list[tuple[weakref.ref, int] | None]] = []
         self._externals: dict[int, tuple[weakref.ref, int]] = {}
@@ -699,12 +708,27 @@ class Region:
                                               device=draws.device))
         self.frame.forward_completed = True
         guard.finish()
-        if getattr(self.forward_ctx, "saves_nothing", False):
-            wrap.state.plain = True
+        self.wraps.append(wrap)
+        if self.closing:
+            self.finish()
         self._outputs.append([(weakref.ref(t), _compat.tensor_version(t))
                               if isinstance(t, torch.Tensor) else None
                               for t in tree_flatten(out)[0]])
         return out
+
+
+    def finish(self) -> None:
+        """The region's forward is over (its last call ran, or the chain moved on): the
+        strategy's forward context settles what it keeps (selective), and if the region
+        keeps what autograd would have anyway (``saves_nothing``), its units run without a
+        checkpoint from the next call on."""
+        finish, self.tape.finish_forward = self.tape.finish_forward, None
+        if finish is not None:
+            finish()
+        if self.wraps and getattr(self.forward_ctx, "saves_nothing", False):
+            for wrap in self.wraps:
+                wrap.state.plain = True
+        self.wraps = []
 
 
 class ChainPlan:
@@ -750,6 +774,8 @@ class ChainPlan:
             wrap.state.plain = True
             done = "runs without a checkpoint (the chain's first block)"
         self._set_bounds(bounds)
+        if self._open is not None:
+            self._open.finish()
         self._open = None
         _warn_once(f"writer:{self.path}:{region.last_index}:{self.bounds}",
                    f"remat: '{wrap.path}' writes its input in place (e.g. inplace=True): "
@@ -774,15 +800,20 @@ class ChainPlan:
         start, end = self.bounds[segment]
         region = self._open
         if region is None or region.segment != segment or index <= region.last_index:
+            if region is not None:
+                region.finish()
             label = (f"{wrap.path}" if end - start == 1 and not wrap.indices
                      else f"{self.path}[{start}:{end}]")
             region = Region(strategy, label, segment)
         region.last_index = index
-        self._open = region if index < end - 1 else None
+        region.closing = index >= end - 1
+        self._open = None if region.closing else region
         return region
 
     def close(self) -> None:
         """End the open segment (after the model's forward): later calls start new ones."""
+        if self._open is not None:
+            self._open.finish()
         self._open = None
         self.position = -1
 

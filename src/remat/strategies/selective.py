@@ -601,18 +601,27 @@ def _autocast_cache_off() -> Iterator[None]:
 
 
 class _Contexts:
-    """A (forward, recompute) context pair for one block, each enterable more than once."""
+    """A (forward, recompute) context pair for one block, each enterable more than once
+    (once per call of a segment's blocks), and :meth:`finish` once after the last call."""
 
     def __init__(self, policy: RegionPolicy, forward_mode, recompute_mode) -> None:
         self.policy = policy
         self.forward_mode = forward_mode
         self.recompute_mode = recompute_mode
+        self.finished = False
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         with _autocast_cache_off(), _record_packs(self.policy), self.forward_mode:
             yield
-        self.policy.finish(_compat.sac_cache(self.forward_mode))
+
+    def finish(self) -> None:
+        """After the region's last forward call: settle the cache (:meth:`RegionPolicy.
+        finish`). Not after each call: a later call of the segment reads earlier calls'
+        outputs (and autograd saves them), which an earlier settle had dropped as unread."""
+        if not self.finished:
+            self.finished = True
+            self.policy.finish(_compat.sac_cache(self.forward_mode))
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
@@ -630,10 +639,13 @@ class _Reenterable:
     """
 
     def __init__(self, factory: Callable[[], contextlib.AbstractContextManager],
-                 policy: RegionPolicy | None = None) -> None:
+                 policy: RegionPolicy | None = None,
+                 finish: Callable[[], None] | None = None) -> None:
         self.factory = factory
         self.policy = policy
         self._active: list = []
+        #: as a forward context: settles the block after its region's last call
+        self.finish = finish
 
     @property
     def rewrites_state(self) -> bool:
@@ -743,7 +755,8 @@ class SelectiveCheckpoint(RecomputeStrategy):
         forward_mode, recompute_mode = create_selective_checkpoint_contexts(
             policy, allow_cache_entry_mutation=True)
         pair = _Contexts(policy, forward_mode, recompute_mode)
-        return _Reenterable(pair.forward, policy), _Reenterable(pair.recompute, policy)
+        return (_Reenterable(pair.forward, policy, pair.finish),
+                _Reenterable(pair.recompute, policy))
 
     def compile_context_fn(self) -> Callable[[], tuple]:
         """Under ``torch.compile``: SAC with the preset's op sets, as a

@@ -277,6 +277,27 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
     assert "or model.block_size=" in str(err.value) and "data.block_size" not in str(err.value)
 
 
+def test_a_shape_the_network_refuses_is_not_offered_and_the_budget_message_stays(
+        gpt, monkeypatch):
+    """torchvision's DeepLabV3 refuses batch 1 in training (a BatchNorm after global
+    pooling): tracing that suggestion raised torch's error in place of the planner's."""
+    planner, _ = gpt
+    _, floor = planner.floor()
+    real = planner._trace_jobs
+
+    def refuse_batch_1(jobs):
+        if any(job["batch_size"] == 1 for job in jobs):
+            raise ValueError("Expected more than 1 value per channel when training")
+        return real(jobs)
+
+    monkeypatch.setattr(planner, "_trace_jobs", refuse_batch_1)
+    with pytest.raises(InfeasibleBudget) as err:
+        planner.plan(int(floor.allocator_peak * 0.97))
+    text = str(err.value)
+    assert "no plan fits" in text and "no smaller data.batch_size fits with this plan" in text
+    assert "or data.block_size=56 (traced:" in text
+
+
 @pytest.fixture(scope="module")
 def gpt_long(tmp_path_factory):
     """The tiny GPT at 512 tokens, where activations dominate its peak."""

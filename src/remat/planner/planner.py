@@ -825,11 +825,19 @@ class Planner:
         92.2 MiB" for a GPT whose bf16 floor is 180.8."""
         lines = []
 
-        def peak_at(batch_size: int, size: Any, precision: str | None = None) -> int:
+        def peak_at(batch_size: int, size: Any, precision: str | None = None) -> int | None:
+            """The traced allocator peak, or ``None`` where the network refuses the shape
+            (a BatchNorm after global pooling at batch 1, a size its strides do not
+            divide): that suggestion is left out, the budget's own message stays."""
             job = {**self._job(PlanStrategy(plan)), "batch_size": batch_size, "size": size}
             if precision is not None:
                 job["precision"] = precision
-            return int(_traced(self._trace_jobs([job])[0]).allocator_peak)
+            try:
+                return int(_traced(self._trace_jobs([job])[0]).allocator_peak)
+            except Exception as err:  # noqa: BLE001 - any refusal: no suggestion of it
+                log.debug("no trace at batch %s, size %s, %s: %s", batch_size, size,
+                          precision or self.precision, err)
+                return None
 
         if self.batch_size > 1:
             guess = min(self.batch_size - 1, max(1, math.floor(self.batch_size * scale)))
@@ -838,7 +846,9 @@ class Planner:
                 if low > high:
                     break
                 peak = peak_at(guess, self.size)
-                if peak <= allowed:
+                if peak is None:  # refused (batch 1 under BatchNorm): try a larger one
+                    low = guess + 1
+                elif peak <= allowed:
                     best, low = (guess, peak), guess + 1
                 else:
                     high = guess - 1
@@ -854,12 +864,12 @@ class Planner:
             key = self.size_key or ("data.image_size" if image else "data.block_size")
             if step <= smaller < self.size:
                 peak = peak_at(self.batch_size, smaller)
-                if peak <= allowed:
+                if peak is not None and peak <= allowed:
                     lines.append(f"  or {key}={smaller} (traced: {format_bytes(peak)} with "
                                  "this plan)")
         if self.precision == "32-true":
             peak = peak_at(self.batch_size, self.size, "bf16-mixed")
-            if peak <= allowed:
+            if peak is not None and peak <= allowed:
                 lines.append(f"  or precision=bf16-mixed (traced: {format_bytes(peak)} with "
                              "this plan; parameters, gradients and optimizer state stay fp32)")
         return lines

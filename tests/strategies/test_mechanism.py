@@ -305,7 +305,7 @@ def test_a_segment_that_starts_at_an_in_place_block_joins_the_one_before_it():
     """``full``: the ReLUs' one-block segments join the BatchNorms' before them (the
     planner's :func:`~remat.planner.search.replayable_segments`), said once."""
     model = _conv_chain()
-    build_strategy("full").apply(model, [""])
+    report = build_strategy("full").apply(model, "auto")  # a Sequential: the net itself
     recompute._warned.clear()  # said once a process: other tests' chains said it already
     with pytest.warns(UserWarning) as caught:
         _steps(model, torch.randn(2, 3, 12, 12))
@@ -314,6 +314,7 @@ def test_a_segment_that_starts_at_an_in_place_block_joins_the_one_before_it():
     assert "'2' writes its input in place" in said[0] and "[2:3] joins" in said[0]
     assert said[1].endswith("[(0, 1), (1, 3), (3, 4), (4, 6), (6, 7)]")
     assert model[0]._remat_wrap.chain.bounds == [(0, 1), (1, 3), (3, 4), (4, 6), (6, 7)]
+    assert report.segments[""] == [(0, 1), (1, 3), (3, 4), (4, 6), (6, 7)]  # the report too
 
 
 def test_an_in_place_block_at_a_chains_start_runs_without_a_checkpoint():

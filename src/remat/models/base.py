@@ -19,7 +19,7 @@ from remat.strategies import (
 from remat.strategies.stages import (
     AUTO,
     ROOT,
-    discover_units,
+    auto_stages,
     nothing_to_wrap,
     stage_setting,
 )
@@ -61,13 +61,7 @@ class StrategyModule(L.LightningModule):
             setting = stage_setting(stages)
         except StageError as err:
             raise StageError(f"model.stages: {err}") from err
-        if setting == AUTO and isinstance(net, nn.Sequential) and len(net) > 1:
-            # the network is the chain of blocks (stage ROOT): the chains inside its blocks,
-            # the outermost ones below the root, recomputed lone layers (a trial's Sequential
-            # of six conv blocks: full 1.43x none's peak, sqrtn 1.00x)
-            stages = [ROOT]
-        else:
-            stages = discover_units(net) if setting == AUTO else setting
+        stages = auto_stages(net) if setting == AUTO else setting
         if setting == AUTO:
             log.info("model.stages=auto: %s", ", ".join(
                 "the network itself (an nn.Sequential)" if s == ROOT else s for s in stages)

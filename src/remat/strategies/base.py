@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from remat.strategies import wrapping
-from remat.strategies.stages import resolve_stages
+from remat.strategies.stages import AUTO, auto_stages, resolve_stages
 
 #: Key of a Lightning checkpoint under which the strategy's own record is kept
 #: (:meth:`CheckpointStrategy.state_for_checkpoint`: a plan and what it was planned for),
@@ -85,7 +85,9 @@ class CheckpointStrategy:
     shardable: bool = True
 
     def apply(self, model: nn.Module, stages: Iterable[str]) -> StrategyReport:
-        """Wrap the stages of ``model`` (dotted paths with globs) in place.
+        """Wrap the stages of ``model`` (dotted paths with globs, or ``"auto"``: the units
+        :func:`~remat.strategies.stages.auto_stages` finds, as ``model.stages=auto``) in
+        place.
 
         Removes whatever remat wrapping the model carries first, so applying twice is the
         same as applying once, and applying over another strategy replaces it.
@@ -94,6 +96,8 @@ class CheckpointStrategy:
             StageError: a stage matches nothing (close names listed), one lies inside
                 another, or the strategy cannot wrap it (the message says why and what to do).
         """
+        if isinstance(stages, str) and stages == AUTO:
+            stages = auto_stages(model)
         resolved = resolve_stages(model, stages)
         for path, module in resolved:
             self.check_stage(path, module)

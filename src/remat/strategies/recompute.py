@@ -751,7 +751,10 @@ class ChainPlan:
         self.position = -1  # the member position of the chain's last call in this forward
 
     def _set_bounds(self, bounds: list[tuple[int, int]]) -> None:
-        self.bounds = list(bounds)
+        # in place: the strategy's report holds this list (segments joined later show)
+        if not hasattr(self, "bounds"):
+            self.bounds: list[tuple[int, int]] = []
+        self.bounds[:] = list(bounds)
         self.segment_of = [i for i, (start, end) in enumerate(self.bounds)
                            for _ in range(start, end)]
 

@@ -77,7 +77,7 @@ class RecomputeStrategy(CheckpointStrategy):
                 wrapping.install(member, wrapping.Wrap(
                     self, child_path(path, name), self.run, chain=plan, index=indices[0],
                     indices=indices if len(indices) > 1 else ()))
-            report.segments[path] = bounds
+            report.segments[path] = plan.bounds  # joins show (ChainPlan.join_writer)
             report.wrapped.extend(child_path(path, name) for name, _ in members)
         else:
             wrapping.install(module, wrapping.Wrap(self, path, self.run))

@@ -51,12 +51,14 @@ def entry_exit(app: str, cfg: DictConfig) -> int:
     from hydra.types import RunMode
     from omegaconf import read_write
 
-    main = importlib.import_module(f"remat.{app}").main
+    module = importlib.import_module(f"remat.{app}")
+    # train's main completes a resume's command line first; its Hydra app is _run
+    run = module._run if app == "train" else module.main.__wrapped__
     with read_write(cfg.hydra):
         cfg.hydra.mode = RunMode.RUN
     HydraConfig().set_config(cfg)
     with pytest.raises(SystemExit) as stop:
-        main.__wrapped__(cfg)
+        run(cfg)
     return stop.value.code
 
 

@@ -26,6 +26,15 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, KeyError, ImportError,
     OmegaConfBaseException)
 _IN_LOOP = "_remat_in_loop"
+_SETUP = "_remat_setup_error"
+
+
+def setup_error(err: BaseException) -> BaseException:
+    """Mark ``err``, raised inside a loop, as a mistake in the run's settings found there
+    (stages the training forward never calls, seen after the first step): the entry
+    point prints it as one line, as it does for errors found before Lightning starts."""
+    setattr(err, _SETUP, True)
+    return err
 
 
 @contextmanager
@@ -96,6 +105,8 @@ def user_error(err: BaseException) -> BaseException | None:
     cannot be imported, or Hydra's own message for a wrong call (it names the ``_target_``
     and the config key); None for errors that keep their
     traceback (remat's or a user's code failing inside a constructor)."""
+    if getattr(err, _SETUP, False):
+        return err
     if getattr(err, _IN_LOOP, False):
         return None
     from hydra.errors import InstantiationException

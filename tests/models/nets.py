@@ -51,6 +51,17 @@ class ReturnsTuple(TinyUNet):
         return out, out
 
 
+class RunsChildren(TinyUNet):
+    """A parent that runs ``down2``'s children itself: ``down2``'s own forward never runs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.down1(x)
+        d = self.down2
+        deep = nn.functional.max_pool2d(skip, 2)
+        deep = torch.relu(d.norm2(d.conv2(torch.relu(d.norm1(d.conv1(deep))))))
+        return self.head(self.fuse(torch.cat([self.up(deep), skip], dim=1)))
+
+
 class ReturnsDict(TinyUNet):
     """A mapping under keys no library uses for its logits."""
 

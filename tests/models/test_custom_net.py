@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from remat.estimate import estimate
 from remat.strategies import StageError
 from remat.train import train
-from tests.helpers import TINY, compose_config, compose_train
+from tests.helpers import TINY, compose_app, compose_config, compose_train, entry_exit
 
 PLAIN = ["model=custom", "model.net._target_=tests.models.nets.TinyUNet", "+model.net.width=8"]
 MONAI = ["model=custom", "model.net._target_=monai.networks.nets.UNet",
@@ -134,6 +134,20 @@ def test_output_channels_that_differ_from_num_classes_fail_at_build(tmp_path):
     assert ("returns dict with keys ['aux', 'main'], not a tensor; SegmentationModule needs "
             "logits [B, model.num_classes, H, W]: a tensor, a mapping with one of the keys "
             "['out', 'logits']") in str(info.value.__cause__ or info.value)
+
+
+def test_a_stage_the_forward_never_calls_ends_the_run_in_one_line(tmp_path, capsys):
+    """Found after the first step (Lightning's loop): still one ``error:`` line, as for
+    errors found at set-up, with the override that lists the modules the forward calls."""
+    cfg = compose_app("train", tmp_path, [*TINY, "model=custom", "strategy=full",
+                                          "model.net._target_=tests.models.nets.RunsChildren"])
+    assert entry_exit("train", cfg) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: strategy 'full' wrapped down2, but the training forward "
+                              "never called it")
+    assert err[-1].endswith("(train.py: model.stages=[down2.*], or name the modules the "
+                            "forward calls)")
+    assert not any("Traceback" in line for line in err)
 
 
 def test_a_strategy_that_would_wrap_nothing_is_refused_naming_the_modules(tmp_path):

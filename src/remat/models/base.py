@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 from torch import nn
 
+from remat.errors import setup_error
 from remat.strategies import (
     STRATEGY_STATE_KEY,
     CheckpointStrategy,
@@ -23,6 +24,7 @@ from remat.strategies.stages import (
     nothing_to_wrap,
     stage_setting,
 )
+from remat.strategies.wrapping import never_called
 
 log = logging.getLogger(__name__)
 
@@ -201,5 +203,12 @@ class StrategyModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not getattr(self, "_strategy_verified", False):
-            self.strategy.verify(self.net)  # the wrapped stages are on the path used
+            try:
+                self.strategy.verify(self.net)  # the wrapped stages are on the path used
+            except StageError as err:
+                unused = never_called(self.net)
+                listed = ",".join(f"{path}.*" if path else "*" for path in unused)
+                raise setup_error(StageError(
+                    f"{err} (train.py: model.stages=[{listed}], or name the modules the "
+                    "forward calls)")) from err
             self._strategy_verified = True

@@ -124,8 +124,23 @@ def user_error(err: BaseException) -> BaseException | None:
     return err if isinstance(err, RunDirInUse) else None
 
 
+#: what a mandatory (``???``) key of a shipped config wants, for the one-line error
+MISSING_HINTS = {
+    "model.net._target_": "the class (or function) that builds your network, e.g. "
+                          "model.net._target_=my_pkg.nets.MyUNet; its arguments go under "
+                          "+model.net.<name>=<value>",
+}
+
+
 def message_of(err: BaseException) -> str:
-    """The text of ``err`` (a ``KeyError``'s message without the quotes ``repr`` adds)."""
+    """The text of ``err`` (a ``KeyError``'s message without the quotes ``repr`` adds; a
+    mandatory config value left unset: the key and what to give it)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    if isinstance(err, MissingMandatoryValue) and getattr(err, "full_key", None):
+        key = err.full_key
+        return (f"{key} must be set: "
+                + MISSING_HINTS.get(key, f"give it on the command line ({key}=<value>)"))
     if isinstance(err, KeyError) and len(err.args) == 1 and isinstance(err.args[0], str):
         return err.args[0]
     return str(err) or type(err).__name__

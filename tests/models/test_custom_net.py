@@ -150,6 +150,15 @@ def test_a_stage_the_forward_never_calls_ends_the_run_in_one_line(tmp_path, caps
     assert not any("Traceback" in line for line in err)
 
 
+def test_model_custom_without_a_target_says_what_to_give(tmp_path, capsys):
+    """Omegaconf said only "Missing mandatory value: model.net._target_"."""
+    assert entry_exit("train", compose_app("train", tmp_path, [*TINY, "model=custom"])) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: model.net._target_ must be set: the class (or function) that builds your "
+        "network, e.g. model.net._target_=my_pkg.nets.MyUNet; its arguments go under "
+        "+model.net.<name>=<value>")
+
+
 def test_a_strategy_that_would_wrap_nothing_is_refused_naming_the_modules(tmp_path):
     with pytest.raises(InstantiationException) as info:
         built(tmp_path, [*PLAIN, "strategy=sqrtn", "model.stages=[]"])

@@ -15,7 +15,7 @@ from remat.data import DubaiAerialDataModule, ISBI2012DataModule, LoveDADataModu
 from remat.data import verify as verify_module
 from remat.data.io import DataFileError, read_image
 from remat.data.masks import colour_mask, index_mask, threshold_mask
-from remat.data.verify import DataCheckError
+from remat.data.verify import DataCheckError, problem_lines
 from remat.train import train
 from tests.data import fakes
 from tests.helpers import TINY_TRAINER, compose_train
@@ -80,6 +80,19 @@ def test_verify_false_skips_and_auto_stops_at_many_files(tmp_path: Path, monkeyp
         ISBI2012DataModule(tmp_path, val_sections=1, verify=True).setup("fit")
     with pytest.raises(ValueError, match="data.verify must be true, false or auto, got 'yes'"):
         ISBI2012DataModule(tmp_path, verify="yes")
+
+
+def test_many_files_with_one_kind_of_problem_are_listed_five_then_counted():
+    """Kvasir-SEG's 1000 JPEG masks each said the same (their noise shares differ): five are
+    named, the rest counted on one line; other kinds still list their files."""
+    noisy = [DataFileError(path=f"/d/masks/{i}.jpg", problem=f"{i / 10:.1f}% of its pixels "
+                           "lie between 0 and 255") for i in range(12)]
+    empty = [DataFileError(path=f"/d/images/{i}.png", problem="empty file (0 bytes)")
+             for i in range(2)]
+    lines = problem_lines([*noisy[:3], *empty, *noisy[3:]])
+    assert lines == [*(f"  - {p}" for p in noisy[:3]), *(f"  - {p}" for p in empty),
+                     *(f"  - {p}" for p in noisy[3:5]),
+                     "  - ... and 7 more files with the same problem"]
 
 
 def test_real_isbi_and_dubai_copies_pass_the_check(isbi_root: Path, dubai_root: Path, caplog):

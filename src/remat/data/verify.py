@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -83,7 +84,31 @@ def check_files_exist(pairs: Sequence[ImageMaskPair], title: str) -> None:
         problems.sort(key=lambda p: natural_key(str(p.path)))
         files = sum(len(pair.files) for pair in pairs)
         raise DataCheckError(f"{title}: {len(problems)} of {files} files are missing:\n"
-                             + "\n".join(f"  - {p}" for p in problems), problems)
+                             + "\n".join(problem_lines(problems)), problems)
+
+
+#: problems of one kind (the same text but for its numbers) listed by path, at most; the
+#: rest are counted on one line (all 1000 JPEG masks of Kvasir-SEG said the same)
+LISTED_PER_KIND = 5
+
+
+def problem_lines(problems: Sequence[DataFileError]) -> list[str]:
+    """``"  - <problem>"`` lines of a data check's message: per kind of problem (its text
+    with the numbers left out, e.g. the share of noisy pixels) the first
+    :data:`LISTED_PER_KIND`, then one line counting the others of that kind."""
+    kinds: dict[str, list[DataFileError]] = {}
+    for problem in problems:
+        kinds.setdefault(re.sub(r"\d+(\.\d+)?", "#", problem.problem), []).append(problem)
+    lines = []
+    for problem in problems:
+        same = kinds[re.sub(r"\d+(\.\d+)?", "#", problem.problem)]
+        index = next(i for i, p in enumerate(same) if p is problem)
+        if index < LISTED_PER_KIND:
+            lines.append(f"  - {problem}")
+        elif index == LISTED_PER_KIND:
+            lines.append(f"  - ... and {len(same) - LISTED_PER_KIND} more files with the "
+                         "same problem")
+    return lines
 
 
 def _label_problem(split: str, masks: int, counts: torch.Tensor, ignore_index: int,
@@ -169,7 +194,6 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
             f" and {splits_bad} split(s) have no foreground" if splits_bad else "")
         raise DataCheckError(
             f"data check of {title}: {head} (set data.verify=false to skip this check and "
-            "meet them during training):\n" + "\n".join(f"  - {p}" for p in problems),
-            problems)
+            "meet them during training):\n" + "\n".join(problem_lines(problems)), problems)
     log.info("data check of %s: %d files decoded in %.1f s, none bad", title, files, seconds)
     return files

@@ -716,7 +716,6 @@ class Region:
                               for t in tree_flatten(out)[0]])
         return out
 
-
     def finish(self) -> None:
         """The region's forward is over (its last call ran, or the chain moved on): the
         strategy's forward context settles what it keeps (selective), and if the region

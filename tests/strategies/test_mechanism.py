@@ -363,8 +363,8 @@ class Loop(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("name,stages", [("full", ["1"]), ("selective", ["1"]),
-                                         ("sqrtn", ["blocks"]), ("full", ["blocks"])])
+@pytest.mark.parametrize("name,stages", [("full", ["1"]), ("sqrtn", ["blocks"]),
+                                         ("full", ["blocks"])])
 def test_blocks_that_write_inputs_the_parent_computed_recompute_from_copies(name, stages):
     """Inputs no replay makes again (a lone unit's, a parent's ``h * 1``): copied before the
     first write, on every step; a second backward through the same graph (retain_graph)
@@ -386,6 +386,23 @@ def test_blocks_that_write_inputs_the_parent_computed_recompute_from_copies(name
     for got, ref in zip(results[2:], results[:2], strict=True):
         for key, grad in ref.items():
             torch.testing.assert_close(got[key], grad, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("policy", ["matmul", "attention"])
+def test_selective_blocks_that_write_their_input_compute_none_s_function(policy):
+    """The attention policy caches every op but the attention core, the in-place write into
+    the input too: its replay, given a copy of the input, must run that op again (autograd
+    saves what the op writes, not what the cache hands back); ELU's backward reads it."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ELU(inplace=True),
+                         nn.Conv2d(4, 2, 1))
+    loop = Loop()
+    for net, stages, x in ((base, [""], torch.randn(2, 3, 12, 12)),
+                           (loop, ["blocks"], torch.randn(4, 6))):
+        reference = _steps(copy.deepcopy(net), x, n=2)
+        build_strategy("selective", policy=policy).apply(net, stages)
+        for got, ref in zip(_steps(net, x, n=2), reference, strict=True):
+            assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
 
 
 class _Segments(SelectiveCheckpoint):

@@ -92,6 +92,12 @@ class RecomputeError(_ckpt.CheckpointError):
     """The recompute of a unit did not reproduce what its forward saved for backward."""
 
 
+class PolicyRefusal(RecomputeError):
+    """A strategy's saving policy refuses an op of a unit's forward (``selective``: an
+    in-place change of a tensor a recomputed op read before); :class:`Region` raises it
+    again naming the unit."""
+
+
 def is_recomputing() -> bool:
     """Whether the calling code runs inside a remat recompute (the replay of a checkpointed
     unit during backward), e.g. in a forward hook that should count or log only real
@@ -555,7 +561,8 @@ class _Tape:
                     raise
                 raise RecomputeError(
                     f"remat: '{self.current}' (strategy '{self.strategy}') was recomputed for "
-                    "a second backward through the same forward (higher-order gradients, e.g. "
+                    "a second backward through the same forward (backward(retain_graph=True) "
+                    "run twice, or higher-order gradients, e.g. "
                     "torch.autograd.grad(..., create_graph=True) as MAML's inner step uses): "
                     "selective activation checkpointing keeps each saved op output for one "
                     "backward only (torch's rule). Use strategy=full, sqrtn or every_k for "
@@ -692,9 +699,17 @@ class Region:
         if self._pack is None and (not wrap.state.learned or wrap.state.writes_inputs):
             watch = _InputWrites(self.tape, [s[1] for s in sources if s[0] == "e"])
             writes = watch if watch.watched else writes
+        note_inputs = getattr(self.forward_ctx, "note_inputs", None)
+        if note_inputs is not None:  # selective: in-place ops on them run again
+            note_inputs([leaf for leaf, source in zip(leaves, sources, strict=True)
+                         if source[0] == "e" and isinstance(leaf, torch.Tensor)])
         draws = _CompiledDraws() if _as_compiled.on else contextlib.nullcontext()
-        with _compat.checkpoint_hook(self.frame), writes, self.forward_ctx, draws:
-            out = forward(*args, **kwargs)
+        try:
+            with _compat.checkpoint_hook(self.frame), writes, self.forward_ctx, draws:
+                out = forward(*args, **kwargs)
+        except PolicyRefusal as err:
+            raise RecomputeError(f"remat: unit '{wrap.path}' (strategy "
+                                 f"'{self.tape.strategy}'): {err}") from err
         if isinstance(writes, _InputWrites) and writes.copied:
             writes.finish()
             for kept in writes.copied.values():

@@ -78,6 +78,7 @@ from torch.utils.flop_counter import flop_registry as _flop_registry
 
 from remat import _compat
 from remat._compat import FakeTensor, tree_flatten, tree_map, tree_unflatten
+from remat.strategies.recompute import PolicyRefusal
 from remat.strategies.segmented import RecomputeStrategy
 from remat.strategies.segments import every_k_segments
 
@@ -294,6 +295,7 @@ class RegionPolicy:
         self.produced: dict[tuple, int] = {}   # storage made by an op of the block -> bytes
         self.written: set[tuple] = set()       # storages changed in place
         self.packed: set[tuple] = set()        # storages autograd saved for backward
+        self.inputs: set[tuple] = set()        # storages of the block's kept inputs
         self.ops: list[_Op] = []
         # a freed storage's address is reused by later tensors: a storage is its address
         # plus how many storages were made there before (see key())
@@ -302,6 +304,11 @@ class RegionPolicy:
         self.saves_nothing = False
         self._counts: dict[object, int] = {}
         self._last: tuple[list, list] = ([], [])
+
+    def note_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The tensors a call of the block gets that its region keeps (not outputs of its
+        earlier calls): an in-place op on one of them runs again in the replay."""
+        self.inputs.update(k for k in map(self.key, tensors) if k is not None)
 
     def key(self, t, new: bool = False) -> tuple | None:
         """Identity of the storage ``t`` lives in for this block's forward; ``new`` when an
@@ -515,20 +522,25 @@ class RegionPolicy:
         if any(mutated):  # changes a saved tensor: its result is the saved value
             for key in written:
                 if key in self.read_by_recompute:
-                    raise RuntimeError(
+                    raise PolicyRefusal(
                         f"strategy selective: {_op_name(op)} changes in place a tensor that "
                         f"the recomputed op {self.read_by_recompute[key]} read before; the "
                         "recompute would feed it the changed values. Make the in-place op "
                         "out-of-place (e.g. inplace=False) or choose another policy")
             if random:
-                raise RuntimeError(
+                raise PolicyRefusal(
                     f"strategy selective: {_op_name(op)} draws random numbers into a saved "
                     "tensor; it can be neither saved nor recomputed. Choose another policy")
             return _SAVE
         reads_core = any(k in self.core for k in read + written)
         replay_only = (aliasing and not written) or op.overloadpacket in _FACTORIES
-        if mutated or replay_only or random or not (read or written):
-            # in-place on a recomputed tensor, views, factories, random ops: recompute
+        # an in-place op (it returns what it writes) on an input of the block: the replay
+        # gets a copy of that input (remat.strategies.recompute), and autograd saves, and
+        # the block's code reads on, what the op writes, not what the cache would hand back
+        foreign = any(r.alias_info is not None and r.alias_info.is_write
+                      for r in schema.returns) and any(k in self.inputs for k in written)
+        if mutated or replay_only or random or foreign or not (read or written):
+            # in-place on a recomputed tensor or on an input, views, factories, random ops
             decision = _RECOMPUTE
         elif (op.overloadpacket is torch.ops.aten.clone
               and _is_backup_of_saved(self, args, kwargs)):
@@ -650,6 +662,11 @@ class _Reenterable:
     @property
     def rewrites_state(self) -> bool:
         return self.policy is None or self.policy.rewrites_state
+
+    def note_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """As a forward context: :meth:`RegionPolicy.note_inputs` before a call."""
+        if self.policy is not None:
+            self.policy.note_inputs(tensors)
 
     @property
     def saves_nothing(self) -> bool:

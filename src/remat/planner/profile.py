@@ -27,16 +27,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._compat import TorchDispatchMode, op_schema, tree_flatten
+from remat._compat import TorchDispatchMode, tree_flatten
 from remat.measure.step import autocast
 from remat.measure.trace import run_built, sized_batch
 from remat.planner.devices import DeviceSpec
+from remat.strategies.recompute import storage_key, written_tensors
 from remat.strategies.segmented import CHAIN_TYPES, chain_members
 from remat.strategies.selective import (
     RegionPolicy,
     SelectiveCheckpoint,
     op_flops,
-    storage_key,
 )
 
 
@@ -269,18 +269,10 @@ class _Recorder(TorchDispatchMode):
     def _note_writes(func: Any, args: tuple, kwargs: dict, cost: BlockCost) -> None:
         """Record in ``cost.mutated`` the block's inputs ``func`` writes in place (its
         schema's mutable arguments: ``relu_``, ``add_``, ``out=``)."""
-        schema = op_schema(func, missing_ok=True)
-        if schema is None or not schema.is_mutable:
-            return
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            for t in tree_flatten(value)[0]:
-                if isinstance(t, torch.Tensor):
-                    key = storage_key(t)
-                    if key in cost.inputs:
-                        cost.mutated[key] = cost.inputs[key]
+        for t in written_tensors(func, args, kwargs):
+            key = storage_key(t)
+            if key in cost.inputs:
+                cost.mutated[key] = cost.inputs[key]
 
     def packed(self, t: torch.Tensor) -> None:
         """Autograd saves ``t`` now (a saved-tensor hook): tell the running block's policy,

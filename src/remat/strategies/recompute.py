@@ -77,7 +77,7 @@ from torch import nn
 from torch.utils import checkpoint as _ckpt
 
 from remat import _compat
-from remat._compat import tree_flatten, tree_unflatten
+from remat._compat import FakeTensor, tree_flatten, tree_unflatten
 from remat.strategies.stages import StageError
 
 _STAT_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -429,11 +429,17 @@ def written_tensors(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written
 
 
-def _storage_key(t: Any) -> int | None:
-    try:
-        return _compat.storage_id(t)
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, some subclasses
+def storage_key(t: Any) -> tuple | None:
+    """Identity of the memory a tensor lives in (views share it); ``None`` if unknown."""
+    if not isinstance(t, torch.Tensor):
         return None
+    if isinstance(t, FakeTensor):  # no data pointer (remat.estimate): the storage object's id
+        return (t.device, "fake", _compat.storage_id(t))
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # fake, meta, sparse, subclass
+        return None
+    return (t.device, ptr) if ptr else None
 
 
 class _InputWrites(_compat.TorchDispatchMode):
@@ -450,9 +456,9 @@ class _InputWrites(_compat.TorchDispatchMode):
     def __init__(self, tape: _Tape, indices: Sequence[int]) -> None:
         super().__init__()
         self.tape = tape
-        self.watched: dict[int, list[int]] = {}
+        self.watched: dict[tuple, list[int]] = {}
         for i in dict.fromkeys(indices):
-            key = _storage_key(tape.externals[i])
+            key = storage_key(tape.externals[i])
             if key is not None:
                 self.watched.setdefault(key, []).append(i)
         self.copied: dict[int, torch.Tensor] = {}  # external index -> the tensor copied
@@ -462,7 +468,7 @@ class _InputWrites(_compat.TorchDispatchMode):
         kwargs = kwargs or {}
         if self.watched:
             for t in written_tensors(func, args, kwargs):
-                for i in self.watched.pop(_storage_key(t), ()):
+                for i in self.watched.pop(storage_key(t), ()):
                     kept = self.tape.externals[i]
                     if _compat.tensor_version(kept) == self.tape.versions[i]:
                         # below autograd (no graph); later modes (memory trackers) see it
@@ -760,15 +766,14 @@ class ChainPlan:
     def __init__(self, path: str, bounds: list[tuple[int, int]], joins: bool = False) -> None:
         self.path = path
         self.joins = joins
+        self.bounds: list[tuple[int, int]] = []
         self._set_bounds(bounds)
         self._open: Region | None = None
         self.position = -1  # the member position of the chain's last call in this forward
 
     def _set_bounds(self, bounds: list[tuple[int, int]]) -> None:
         # in place: the strategy's report holds this list (segments joined later show)
-        if not hasattr(self, "bounds"):
-            self.bounds: list[tuple[int, int]] = []
-        self.bounds[:] = list(bounds)
+        self.bounds[:] = bounds
         self.segment_of = [i for i, (start, end) in enumerate(self.bounds)
                            for _ in range(start, end)]
 

@@ -77,8 +77,8 @@ from torch.utils.checkpoint import (
 from torch.utils.flop_counter import flop_registry as _flop_registry
 
 from remat import _compat
-from remat._compat import FakeTensor, tree_flatten, tree_map, tree_unflatten
-from remat.strategies.recompute import PolicyRefusal
+from remat._compat import tree_flatten, tree_map, tree_unflatten
+from remat.strategies.recompute import PolicyRefusal, storage_key
 from remat.strategies.segmented import RecomputeStrategy
 from remat.strategies.segments import every_k_segments
 
@@ -155,19 +155,6 @@ def resolve_ops(names: Sequence[str]) -> frozenset:
                              "stream), so it cannot be listed in ops")
         resolved.add(op)
     return frozenset(resolved)
-
-
-def storage_key(t) -> tuple | None:
-    """Identity of the memory a tensor lives in (views share it); ``None`` if unknown."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    if isinstance(t, FakeTensor):  # no data pointer (remat.estimate): the storage object's id
-        return (t.device, "fake", _compat.storage_id(t))
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):  # fake, meta, sparse, subclass
-        return None
-    return (t.device, ptr) if ptr else None
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 T = TypeVar("T")
 
@@ -135,8 +135,6 @@ MISSING_HINTS = {
 def message_of(err: BaseException) -> str:
     """The text of ``err`` (a ``KeyError``'s message without the quotes ``repr`` adds; a
     mandatory config value left unset: the key and what to give it)."""
-    from omegaconf.errors import MissingMandatoryValue
-
     if isinstance(err, MissingMandatoryValue) and getattr(err, "full_key", None):
         key = err.full_key
         return (f"{key} must be set: "

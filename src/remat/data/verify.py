@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -96,17 +97,15 @@ def problem_lines(problems: Sequence[DataFileError]) -> list[str]:
     """``"  - <problem>"`` lines of a data check's message: per kind of problem (its text
     with the numbers left out, e.g. the share of noisy pixels) the first
     :data:`LISTED_PER_KIND`, then one line counting the others of that kind."""
-    kinds: dict[str, list[DataFileError]] = {}
-    for problem in problems:
-        kinds.setdefault(re.sub(r"\d+(\.\d+)?", "#", problem.problem), []).append(problem)
+    kinds = [re.sub(r"\d+(\.\d+)?", "#", problem.problem) for problem in problems]
+    total, seen = Counter(kinds), Counter()
     lines = []
-    for problem in problems:
-        same = kinds[re.sub(r"\d+(\.\d+)?", "#", problem.problem)]
-        index = next(i for i, p in enumerate(same) if p is problem)
-        if index < LISTED_PER_KIND:
+    for problem, kind in zip(problems, kinds, strict=True):
+        seen[kind] += 1
+        if seen[kind] <= LISTED_PER_KIND:
             lines.append(f"  - {problem}")
-        elif index == LISTED_PER_KIND:
-            lines.append(f"  - ... and {len(same) - LISTED_PER_KIND} more files with the "
+        elif seen[kind] == LISTED_PER_KIND + 1:
+            lines.append(f"  - ... and {total[kind] - LISTED_PER_KIND} more files with the "
                          "same problem")
     return lines
 

@@ -80,15 +80,20 @@ def not_logits_message(name: str, out: Any) -> str:
             "tuple, the one at full resolution)")
 
 
+def _resizable(spatial: Sequence[int], size: Sequence[int]) -> bool:
+    """Whether logits of sides ``spatial`` can be resized to ``size``: as many sides, none
+    larger."""
+    return len(spatial) == len(size) and all(a <= b for a, b in zip(spatial, size,
+                                                                      strict=True))
+
+
 def upsample_logits(logits: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
     """``logits [B, C, *s]`` resized to ``size`` when every side of ``s`` is at most the
     input's and one is smaller (Hugging Face's SegFormer gives 1/4 of the input's side):
     bilinear (volumes trilinear), ``align_corners=False``, as transformers' semantic
     segmentation models resize their logits for their own loss. Others as they are."""
-    spatial = tuple(logits.shape[2:])
-    size = tuple(size)
-    if spatial == size or len(spatial) != len(size) or any(
-            a > b for a, b in zip(spatial, size, strict=True)):
+    spatial, size = tuple(logits.shape[2:]), tuple(size)
+    if spatial == size or not _resizable(spatial, size):
         return logits
     mode = "bilinear" if len(size) == 2 else "trilinear"
     return nn.functional.interpolate(logits, size=size, mode=mode, align_corners=False)
@@ -137,7 +142,7 @@ def check_net_output(net: nn.Module, in_channels: int, num_classes: int,
             f"{name} returns logits of shape {got} for a {[1, in_channels, *spatial]} input, "
             f"but model.num_classes={num_classes} (1 = binary) needs "
             f"{[1, num_classes, *spatial]}; {fix}")
-    if tuple(upsample_logits(out, spatial).shape[2:]) != spatial:
+    if not _resizable(tuple(out.shape[2:]), spatial):
         raise ValueError(
             f"{name} returns logits of spatial size {tuple(out.shape[2:])} for a "
             f"{shown} input; segmentation logits must have the input's size, or a smaller "

@@ -607,7 +607,6 @@ class _Contexts:
         self.policy = policy
         self.forward_mode = forward_mode
         self.recompute_mode = recompute_mode
-        self.finished = False
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -617,10 +616,9 @@ class _Contexts:
     def finish(self) -> None:
         """After the region's last forward call: settle the cache (:meth:`RegionPolicy.
         finish`). Not after each call: a later call of the segment reads earlier calls'
-        outputs (and autograd saves them), which an earlier settle had dropped as unread."""
-        if not self.finished:
-            self.finished = True
-            self.policy.finish(_compat.sac_cache(self.forward_mode))
+        outputs (and autograd saves them), which an earlier settle had dropped as unread.
+        The region calls it once (:meth:`remat.strategies.recompute.Region.finish`)."""
+        self.policy.finish(_compat.sac_cache(self.forward_mode))
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:

@@ -113,3 +113,23 @@ def test_a_single_file_and_bad_inputs(trained, tmp_path):
     (empty / "notes.txt").write_text("no image here")
     with pytest.raises(FileNotFoundError, match=r"input=.*empty: no image matches"):
         predict(compose_app("predict", tmp_path / "q", [f"ckpt_path={ckpt}", f"input={empty}"]))
+
+
+def test_unreadable_inputs_are_all_named_before_any_mask_is_written(trained, tmp_path):
+    """A folder with good images and two that do not decode (garbage bytes, an empty file):
+    the run stops before writing anything, naming both, and can run again at once."""
+    _, root, ckpt = trained
+    inputs = tmp_path / "in"
+    shutil.copytree(root / "data" / "images", inputs)
+    (inputs / "zz_garbage.png").write_bytes(b"not a png at all")
+    (inputs / "aa_empty.jpg").write_bytes(b"")
+    out = tmp_path / "out"
+    args = [f"ckpt_path={ckpt}", f"input={inputs}", f"output={out}"]
+    with pytest.raises(ValueError, match=r"2 of 8 file\(s\) cannot be read") as err:
+        predict(compose_app("predict", tmp_path / "p", args))
+    text = str(err.value)
+    assert "aa_empty.jpg" in text and "zz_garbage.png" in text and "images=<glob>" in text
+    assert not out.exists() or not any(out.rglob("*"))
+    (inputs / "zz_garbage.png").unlink()
+    (inputs / "aa_empty.jpg").unlink()
+    assert predict(compose_app("predict", tmp_path / "q", args))["count"] == 6

@@ -34,6 +34,7 @@ from remat.models.checks import (
 from remat.prediction import (
     MaskWriter,
     VolumeMaskWriter,
+    check_inputs,
     check_output,
     list_inputs,
     mask_format,
@@ -56,6 +57,8 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
         FileNotFoundError: a missing checkpoint, ``run_config`` or ``input``, or an input
             folder without images.
         FileExistsError: ``output`` already holds files and ``overwrite`` is false.
+        remat.data.verify.DataCheckError: inputs that cannot be read (all named; checked
+            before any mask is written).
     """
     ckpt_path = cfg.get("ckpt_path")
     if not ckpt_path:
@@ -84,7 +87,9 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
     paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes)
     kind, colours = ("nifti", None) if volumes else mask_format(
         datamodule, int(model.hparams.num_classes), str(cfg.get("format", "auto")))
-    loader = DataLoader(datamodule.predict_dataset(paths, names), batch_size=1,
+    dataset = datamodule.predict_dataset(paths, names)
+    check_inputs(dataset, cfg.input)
+    loader = DataLoader(dataset, batch_size=1,
                         num_workers=int(cfg.data.get("num_workers", 0) or 0))
     output.mkdir(parents=True, exist_ok=True)
     out = Path(cfg.paths.output_dir)

@@ -14,7 +14,9 @@ each input file: its shape, affine and header.
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -24,6 +26,8 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from PIL import Image
 
 from remat.data.folder import IMAGE_SUFFIXES
+from remat.data.io import DataFileError
+from remat.data.verify import DataCheckError, problem_lines
 
 FORMATS = ("auto", "index", "binary", "palette", "colors")
 
@@ -253,6 +257,38 @@ class VolumeMaskWriter(BasePredictionWriter):
 
     def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
         write_rows(self.output, self.rows)
+
+
+def _problem(dataset: Any, path: Path) -> DataFileError | None:
+    try:
+        dataset.check(path)
+    except DataFileError as err:
+        return err if err.path is not None else DataFileError(path=path, problem=str(err))
+    except (OSError, ValueError, EOFError) as err:
+        text = str(err).strip().splitlines()
+        problem = text[0] if text else type(err).__name__
+        return DataFileError(path=path, problem=problem.removeprefix(f"{path}: "))
+    return None
+
+
+def check_inputs(dataset: Any, source: str | Path) -> None:
+    """Open every input of a prediction dataset (its ``check(path)``: images decoded, volume
+    headers read) before any mask is written, so one unreadable file does not stop a run
+    halfway with part of the output written.
+
+    Raises:
+        remat.data.verify.DataCheckError: names every unreadable file (the first five per
+            kind of problem, then a count) and how to go on.
+    """
+    paths = list(dataset.paths)
+    # decoding releases the GIL: a few threads overlap reads with decoding
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        problems = [p for p in pool.map(lambda path: _problem(dataset, path), paths) if p]
+    if problems:
+        raise DataCheckError("\n".join([
+            f"input={source}: {len(problems)} of {len(paths)} file(s) cannot be read; no "
+            "mask was written:", *problem_lines(problems),
+            "Fix or remove them, or choose the others with images=<glob>."]), problems)
 
 
 def check_output(output: Path, overwrite: bool) -> None:

@@ -195,9 +195,14 @@ def test_npy_folder_trains_one_step_and_predicts_arrays(tmp_path):
     assert summary["status"] == "completed" and summary["global_step"] == 1
     assert 0.0 <= summary["metrics"]["val/dice_foreground"] <= 1.0
     out = tmp_path / "masks"
-    result = predict(compose_app("predict", tmp_path / "p", [
-        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"input={root / 'images'}",
-        f"output={out}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]))
+    args = [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"input={root / 'images'}",
+            f"output={out}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
+    (root / "images" / "broken.npy").write_bytes(b"\x93NUMPY garbage")  # checked first
+    with pytest.raises(ValueError, match=r"1 of 4 file\(s\) cannot be read(.|\n)*broken.npy"):
+        predict(compose_app("predict", tmp_path / "p0", args))
+    assert not out.exists() or not any(out.rglob("*"))
+    (root / "images" / "broken.npy").unlink()
+    result = predict(compose_app("predict", tmp_path / "p", args))
     assert result["count"] == 3
     mask = np.load(out / "case0.npy")
     assert mask.shape == (24, 24, 24) and mask.dtype == np.uint8

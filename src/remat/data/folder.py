@@ -276,6 +276,15 @@ class PredictImages(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
+    def check(self, path: Path) -> None:
+        """Decode one input as :meth:`__getitem__` will (``remat.predict`` checks every input
+        before it writes a mask).
+
+        Raises:
+            remat.data.io.DataFileError: the file is not a readable image.
+        """
+        self.reader(path)
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         raw = self.reader(self.paths[index])
         size = torch.tensor(raw.shape[-2:], dtype=torch.int64)

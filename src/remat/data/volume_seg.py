@@ -249,6 +249,15 @@ class PredictVolumes(Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
+    def check(self, path: Path) -> None:
+        """Open one input's header (``remat.predict`` checks every input before it writes a
+        mask; the voxels are read when the volume is predicted).
+
+        Raises:
+            ValueError: not a readable NIfTI / ``.npy`` file (:func:`read_volume`).
+        """
+        read_volume(path, data=False)
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         out = self.finish(self.load({"image": str(self.paths[index])}))
         out.update(name=self.names[index], path=str(self.paths[index]))

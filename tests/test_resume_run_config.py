@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from remat.run_config import restore_run_config, resume_args, run_overrides
+from remat.run_config import restore_run_config, resume_args, run_group_args, run_overrides
 from tests.helpers import REPO, logged, run_python
 
 # a run made with its own overrides (none of them the defaults), killed once at step 3
@@ -142,3 +142,28 @@ def test_restore_sets_back_what_a_newer_default_changed(tmp_path):
     assert cfg.paths.output_dir == "/new" and cfg.ckpt_path == "x"
     assert restored == ["a: 2 -> 1", "b.c: [1, 3] -> [1, 2]"]
     assert changed == ["size: 32 -> 64"]
+
+
+def test_eval_and_predict_refuse_a_data_key_the_runs_data_lacks(tmp_path):
+    """A run trained on synthetic data has no data.root: ``data.root=<folder>`` alone used to
+    end in Hydra's "Key 'root' is not in struct"; now the error names the run's data and the
+    fix, and the same override with the dataset given (or added with +) passes through."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (run / ".hydra").mkdir()
+    OmegaConf.save({"hydra": {"runtime": {"choices": {"data": "synthetic_seg",
+                                                      "model": "unet_resnet18"}}}},
+                   run / ".hydra" / "hydra.yaml")
+    OmegaConf.save({"data": {"_target_": "x", "num_val": 4}, "model": {"lr": 1e-3}},
+                   run / "config.yaml")
+    ckpt = f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"
+    with pytest.raises(ValueError, match=r"data.root: the run was trained with "
+                                         r"data=synthetic_seg.*data=folder data.root="):
+        run_group_args([ckpt, "data.root=/x", "split=all"])
+    with pytest.raises(ValueError, match=r"model.width: .*model=unet_resnet18.*model=<name>"):
+        run_group_args([ckpt, "model.width=3"])
+    assert run_group_args([ckpt, "data=folder", "data.root=/x"]) == [
+        "model=unet_resnet18", ckpt, "data=folder", "data.root=/x"]
+    assert run_group_args([ckpt, "data.num_val=2", "+data.extra=1"])[:2] == [
+        "data=synthetic_seg", "model=unet_resnet18"]

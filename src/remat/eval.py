@@ -189,7 +189,7 @@ def main() -> None:
     """``python -m remat.eval`` / ``remat-eval``: :func:`evaluate` with the run's own data
     and model composed first (:func:`remat.run_config.run_group_args`); a user error ends
     with ``error: <message>`` and exit code 1 (:func:`remat.errors.run_entry`)."""
-    sys.argv[1:] = run_group_args(sys.argv[1:])
+    sys.argv[1:] = run_entry(run_group_args, sys.argv[1:])
     _hydra_main()
 
 

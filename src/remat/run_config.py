@@ -298,7 +298,38 @@ def run_group_args(args: list[str]) -> list[str]:
     choices = group_choices(run)
     extra = [f"{group}={choices[group]}" for group in ("data", "model")
              if group in choices and group not in given]
+    _check_group_keys(run, choices, given, set(override_keys(
+        [a for a in args if not a.startswith(("-", "+", "~"))])))
     return [*extra, *args]
+
+
+def _check_group_keys(run: Path, choices: dict[str, str], given: set[str],
+                      plain: set[str]) -> None:
+    """Refuse a ``data.<key>=`` / ``model.<key>=`` override (``plain``: without ``+``) of a key the run's own data or
+    model config does not have, when the command line keeps that config (Hydra's
+    "Key 'root' is not in struct" otherwise): a run trained on ``data=synthetic_seg`` has no
+    ``data.root``, so another folder needs ``data=folder`` beside it.
+
+    Raises:
+        ValueError: names the key, the run's choice and what to add.
+    """
+    config = run / "config.yaml"
+    if not config.is_file():
+        return
+    saved = OmegaConf.load(config)
+    for group in ("data", "model"):
+        node = saved.get(group)
+        if group in given or group not in choices or not isinstance(node, DictConfig):
+            continue
+        for key in sorted(plain):
+            head, _, rest = key.partition(".")
+            leaf = rest.partition(".")[0]
+            if head == group and leaf and leaf not in node:
+                hint = (f"to read another folder give its dataset too, e.g. data=folder "
+                        f"{key}=<folder>" if key == "data.root"
+                        else f"give {group}=<name> to choose another config")
+                raise ValueError(f"{key}: the run was trained with {group}={choices[group]}, "
+                                 f"which has no {leaf!r} key; {hint}")
 
 
 def run_config_path(cfg: DictConfig) -> Path | None:

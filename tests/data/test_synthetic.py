@@ -124,6 +124,19 @@ def test_datamodule_batches_and_loader_rules():
     assert torch.equal(first["mask"], expected)  # val keeps order
 
 
+@pytest.mark.parametrize("setting, message", [
+    ({"batch_size": -1}, r"data.batch_size must be a positive int, got -1"),
+    ({"batch_size": 2.5}, r"data.batch_size must be a positive int, got 2.5"),
+    ({"batch_size": True}, r"data.batch_size must be a positive int, got True"),
+    ({"num_workers": -2}, r"data.num_workers must be an int >= 0, got -2"),
+])
+def test_loader_settings_are_checked_when_the_datamodule_is_built(setting, message):
+    """A bad batch size was DataLoader's traceback at the first batch; now one line naming
+    the key, before the run starts."""
+    with pytest.raises(ValueError, match=message):
+        SyntheticSegDataModule(image_size=64, **{"batch_size": 4, **setting})
+
+
 def test_small_train_set_keeps_its_partial_batch():
     dm = SyntheticSegDataModule(image_size=32, batch_size=4, num_train=3, num_val=2)
     dm.setup()

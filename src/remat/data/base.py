@@ -61,12 +61,22 @@ class SplitDataModule(L.LightningDataModule):
     val set when there is no labelled test split.
 
     Raises:
+        ValueError: ``batch_size`` or ``eval_batch_size`` not a positive int, ``num_workers``
+            not an int >= 0 (names the ``data.`` key).
         RuntimeError: a loader asked for before ``setup``.
     """
 
     def __init__(self, batch_size: int, num_workers: int, pin_memory: bool,
                  loader_seed: int, eval_batch_size: int | None = None) -> None:
         super().__init__()
+        for name, value, least in (("batch_size", batch_size, 1),
+                                   ("eval_batch_size", eval_batch_size, 1),
+                                   ("num_workers", num_workers, 0)):
+            if name == "eval_batch_size" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a positive int" if least else "an int >= 0"
+                raise ValueError(f"data.{name} must be {kind}, got {value!r}")
         self.batch_size = batch_size
         self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
         self.num_workers = num_workers

@@ -43,6 +43,7 @@ from remat.planner import (
     InfeasibleBudget,
     Plan,
     PlanInputError,
+    parse_memory,
 )
 from remat.planner.frontier import (
     fixed_points,
@@ -165,6 +166,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     memory = cfg.strategy.get("memory")
     if effective and memory is None:
         raise PlanInputError("effective_batch_size needs strategy.memory=... (the budget to fit)")
+    if memory is not None:  # its spelling, before minutes of profiling (the device's size later)
+        parse_memory(memory, device_memory=2**62)
     out = Path(cfg.paths.output_dir)
     if memory is not None and (out / "plan.json").exists():
         raise PlanInputError(f"{out / 'plan.json'} exists: a run may train with it (strategy=plan "

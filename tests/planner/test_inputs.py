@@ -119,3 +119,20 @@ def test_a_bad_budget_is_refused_before_the_device_is_timed(monkeypatch):
     for value, match in [("lots", "cannot read a memory size"), ("-5GiB", "must be > 0")]:
         with pytest.raises(ValueError, match=match):
             budget.BudgetStrategy(memory=value)
+
+
+def test_remat_plan_refuses_a_bad_budget_before_profiling(tmp_path, monkeypatch):
+    """``python -m remat.plan strategy.memory=lots`` traced and timed the model (seconds)
+    before reading the budget; now the budget's spelling is read first."""
+    import remat.plan as plan_app
+    from tests.helpers import compose_app
+
+    def no_profile(*args, **kwargs):
+        raise AssertionError("the model was profiled first")
+
+    monkeypatch.setattr(plan_app, "planner_for", no_profile)
+    for value, match in [("lots", "cannot read a memory size"), ("-5GiB", "must be > 0")]:
+        cfg = compose_app("plan", tmp_path / value, [f"strategy.memory={value}"])
+        with pytest.raises(ValueError, match=match):
+            plan_app.run(cfg)
+    assert not list(tmp_path.rglob("plan.json"))

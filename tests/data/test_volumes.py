@@ -310,3 +310,20 @@ def test_a_missing_label_in_the_csv_is_listed_with_the_other_bad_volumes(tmp_pat
                               f"volume(s): {gone}: label file not found; expected the label "
                               f"of volume case0; {flat / 'images' / 'case2.nii.gz'}: not a "
                               "readable NIfTI file")
+
+
+def test_a_class_no_label_holds_is_a_warning_of_the_data_check(tmp_path, caplog):
+    """data.num_classes=3 on labels of 0 and 1 trained without a word; the data check now
+    names the absent value and where the class count came from."""
+    import logging
+
+    root = write_volume_folder(tmp_path / "v", count=2, suffix=".npy", classes=2)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        _dm(root, num_classes=3).setup("fit")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("label value(s) [2] appear in no label file (classes 0..2 from "
+               "data.num_classes; values found: [0, 1])" in m for m in warned), warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        _dm(root).setup("fit")
+    assert not [r for r in caplog.records if "appear in no label" in r.getMessage()]

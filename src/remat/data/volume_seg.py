@@ -107,7 +107,8 @@ def missing_volume_files(pair: VolumePair) -> list[tuple[Path, str]]:
 
 def check_volume_pair(pair: VolumePair, classes: int, channels: int,
                       atol: float = 1e-3, source: str = "the task",
-                      channel_source: str | None = None) -> str | None:
+                      channel_source: str | None = None,
+                      found_values: set[int] | None = None) -> str | None:
     """The problem of one image/label pair, or None: a file that cannot be read, an image
     that is not 3D (or 4D with ``channels`` volumes on its last axis), a label of another
     shape or affine than its image, or label values that are no integer in
@@ -120,6 +121,7 @@ def check_volume_pair(pair: VolumePair, classes: int, channels: int,
         source: where ``classes`` come from, for messages
         channel_source: where ``channels`` comes from (default: ``source``)
             (``dataset.json``, ``data.num_classes``).
+        found_values: a set the label values of a good pair are added to.
 
     Returns:
         ``"<file>: <what is wrong>"`` with what was expected (every missing file of the
@@ -156,13 +158,17 @@ def check_volume_pair(pair: VolumePair, classes: int, channels: int,
     if bad:
         return (f"{pair.label}: label values {bad[:5]} are not among {source}'s classes "
                 f"0..{classes - 1}")
+    if found_values is not None:
+        found_values.update(int(v) for v in found.tolist())
     return None
 
 
 def verify_volumes(pairs: Sequence[VolumePair], classes: int, channels: int,
                    title: str, source: str = "the task",
                    channel_source: str | None = None) -> None:
-    """Check every pair (:func:`check_volume_pair`) before training.
+    """Check every pair (:func:`check_volume_pair`) before training; a class no label holds
+    (``data.num_classes=3`` on 0/1 labels) is a warning: its Dice is empty, and the model
+    learns never to predict it.
 
     Raises:
         DataCheckError: one line naming each bad file (in the natural order of the pairs'
@@ -170,11 +176,17 @@ def verify_volumes(pairs: Sequence[VolumePair], classes: int, channels: int,
     """
     start = time.perf_counter()
     ordered = sorted(pairs, key=lambda pair: natural_key(pair.name))  # split order is random
+    found: set[int] = set()
     problems = [p for p in (check_volume_pair(pair, classes, channels, source=source,
-                                              channel_source=channel_source)
+                                              channel_source=channel_source, found_values=found)
                             for pair in ordered) if p]
     if problems:
         raise DataCheckError(f"{title}: {len(problems)} bad volume(s): " + "; ".join(problems))
+    absent = [v for v in range(classes) if v not in found]
+    if absent:
+        log.warning("data check of %s: label value(s) %s appear in no label file (classes "
+                    "0..%d from %s; values found: %s); check %s against the labels", title,
+                    absent, classes - 1, source, sorted(found), source)
     log.info("data check of %s: %d volume pairs read in %.1f s, none bad", title,
              len(ordered), time.perf_counter() - start)
 

@@ -153,6 +153,12 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     if any(isinstance(s, tuple(COMPILED_REFERENCES.values())) for s in strategies.values()):
         raise ValueError("bench: torch_compile_budget is a compiled reference row: list it in "
                          "compile_strategies (with compiled=true), not in strategies")
+    eager_budget = [label for label, s in strategies.items()
+                    if getattr(s, "activation_memory_budget", None) is not None]
+    if eager_budget:
+        raise ValueError(f"bench: {eager_budget[0]}: compile_memory_budget is the compiler's "
+                         "partitioner budget: give it in compile_strategies rows (with "
+                         "compiled=true), not in strategies")
     if "none" not in strategies:
         raise ValueError("bench strategies must include 'none', the reference")
     references_asked = REFERENCES if cfg.get("reference_points", True) else {}

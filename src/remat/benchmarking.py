@@ -37,6 +37,7 @@ from remat.measure import (
 )
 from remat.planner import BudgetStrategy, InfeasibleBudget, PlanStrategy
 from remat.sharding import shard
+from remat.strategies.references import TorchCompileMemoryBudget
 from remat.strategies import (
     COMPILED_REFERENCES,
     REFERENCES,
@@ -448,13 +449,25 @@ def bench_sizes(cfg: DictConfig) -> tuple[str, list[int]]:
 def build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
     """Row label -> strategy for ``strategies``-style entries: a name, or ``{name: ...,
     arg: value}`` (label ``name(arg=value)``); ``{name: budget, memory: ...}`` is a memory
-    budget, planned for each size when it is measured."""
+    budget, planned for each size when it is measured. ``compile_memory_budget: 0.5`` in any
+    entry (compiled rows) compiles that row under torch's partitioner budget too (the
+    strategy's ``activation_memory_budget``, as a ``torch_compile_budget`` row's).
+
+    Raises:
+        ValueError: an unknown strategy or argument, or a partitioner budget outside [0, 1].
+    """
     strategies: dict[str, CheckpointStrategy] = {}
     for spec in specs:
         name, overrides = (spec, {}) if isinstance(spec, str) else (
             spec["name"], {k: v for k, v in spec.items() if k != "name"})
         args = ", ".join(f"{k}={v}" for k, v in overrides.items())
         label = f"{name}({args})" if overrides else name
+        partitioner = overrides.pop("compile_memory_budget", None)
+        if partitioner is not None:
+            strategies[label] = build_strategies([{"name": name, **overrides}]).popitem()[1]
+            strategies[label].activation_memory_budget = TorchCompileMemoryBudget(
+                partitioner).activation_memory_budget
+            continue
         if name in COMPILED_REFERENCES:
             strategies[label] = COMPILED_REFERENCES[name](**overrides)
             continue
@@ -566,6 +579,10 @@ def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: Dic
                 print(f"note: {where}: {label} skipped: {err}", flush=True)
                 continue
             notes.append(f"{where}: {label}: " + runs[label].plan.summary().replace("\n", "; "))
+    for label, run in runs.items():  # a row's partitioner budget stays with its plan
+        budget = getattr(strategies[label], "activation_memory_budget", None)
+        if budget is not None:
+            run.activation_memory_budget = budget
     return runs
 
 

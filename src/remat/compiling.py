@@ -118,6 +118,45 @@ def compile_row(net: torch.nn.Module, backend: Callable) -> None:
 DEFAULT_OPTIONS: dict[str, Any] = {"layout_optimization": False}
 
 
+def check_partitioner_budget(value: Any, key: str) -> float | None:
+    """``value`` as torch's partitioner budget (``torch._functorch.config.
+    activation_memory_budget``: 1.0 saves what the default min-cut partitioner saves, 0.0
+    recomputes all it can), or None for none given.
+
+    Raises:
+        ValueError: not a number in [0, 1]; names ``key``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"{key} must be a number in [0, 1] (torch's partitioner "
+                         f"activation_memory_budget; null for its default), got {value!r}")
+    return float(value)
+
+
+def refuse_random_ops_recomputed(net: torch.nn.Module, budget: float | None, key: str) -> None:
+    """Refuse a partitioner budget below 1 on a network that draws random numbers: the
+    partitioner may then recompute dropout in the backward with other masks, so the
+    gradients are not the forward's (pytorch/pytorch#190758; measured on a ViT with
+    drop-path 0.1: relative gradient error 1.9-2.6). remat's own recompute segments keep
+    their masks (:func:`remat.strategies.recompute.compiled_region_contexts`); the
+    partitioner's choices outside them do not.
+
+    Raises:
+        ValueError: names ``key`` and the modules.
+    """
+    if budget is None or budget >= 1:
+        return
+    found = random_modules(net)
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ValueError(f"{key}={budget:g} with modules that draw random numbers ({shown}): "
+                         "torch's partitioner may recompute them in the backward with other "
+                         "numbers, so gradients would be wrong (pytorch/pytorch#190758); set "
+                         f"their probability to 0, or leave {key} at null and let the "
+                         "strategy's plan recompute")
+
+
 def training_options(options: Any) -> dict[str, Any]:
     """Inductor settings for training's ``compile=true`` and the bench's inductor rows:
     :data:`DEFAULT_OPTIONS` (``layout_optimization=False``, in every precision: module

@@ -58,6 +58,8 @@ def check_top_level(cfg: DictConfig) -> None:
             f"accumulate_grad_batches must be an integer >= 1 (batches per optimizer step), "
             f"got {acc!r}"
         )
+    from remat.compiling import check_partitioner_budget
+
     compiled = cfg.get("compile", False)
     if not isinstance(compiled, bool):
         raise ValueError(f"compile must be true or false (torch.compile the network after "
@@ -71,9 +73,12 @@ def check_top_level(cfg: DictConfig) -> None:
         options = cfg.get("compile_options")
         training_options(OmegaConf.to_container(options) if isinstance(options, DictConfig)
                          else options)
-    elif cfg.get("compile_options") is not None:
-        log.warning("compile_options are ignored: compile=false (set compile=true to compile "
-                    "the network with them)")
+        check_partitioner_budget(cfg.get("compile_memory_budget"), "compile_memory_budget")
+    else:
+        for key in ("compile_options", "compile_memory_budget"):
+            if cfg.get(key) is not None:
+                log.warning("%s is ignored: compile=false (set compile=true to compile the "
+                            "network with it)", key)
 
 
 def per_step_batch(effective: int, accumulation: int) -> int:

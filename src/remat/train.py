@@ -107,7 +107,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 check_lora_supported(cfg.model)
                 model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
                 if cfg.get("compile", False):
-                    model.compile_net(training_options(cfg.get("compile_options")))
+                    model.compile_net(training_options(cfg.get("compile_options")),
+                                      memory_budget=cfg.get("compile_memory_budget"))
                 check_model_fits_data(model, datamodule, hydra_choice("model"),
                                       hydra_choice("data"))
                 check_monitor(cfg, model)

@@ -186,13 +186,14 @@ def _plan_of(pl_module: Any, memory: Any) -> dict[str, Any] | None:
 
 
 def compiled_of(pl_module: Any) -> dict[str, Any] | None:
-    """``{"backend", "options", "graphs"}`` of a network compiled by ``compile=true``
-    (:meth:`remat.models.base.StrategyModule.compile_net`), else ``None``."""
+    """``{"backend", "options", "memory_budget", "graphs"}`` of a network compiled by
+    ``compile=true`` (:meth:`remat.models.base.StrategyModule.compile_net`;
+    ``memory_budget``: ``compile_memory_budget``, or None), else ``None``."""
     backend = getattr(pl_module, "compile_backend", None)
     if backend is None:
         return None
     return {"backend": backend.backend, "options": dict(backend.options),
-            "graphs": int(backend.graphs)}
+            "memory_budget": backend.memory_budget, "graphs": int(backend.graphs)}
 
 
 class RunSummary(L.Callback):

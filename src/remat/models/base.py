@@ -88,11 +88,24 @@ class StrategyModule(L.LightningModule):
                      len(report.wrapped), ", ".join(report.stages),
                      f": segments {report.segments}" if report.segments else "")
 
-    def compile_net(self, options: dict[str, Any] | None = None) -> None:
+    def compile_net(self, options: dict[str, Any] | None = None,
+                    memory_budget: float | None = None) -> None:
         """Have ``self.net`` compiled with ``torch.compile`` (inductor, with its config
-        ``options``) when training starts (:meth:`configure_model`: after the strategy
+        ``options``, under the partitioner's ``activation_memory_budget`` ``memory_budget``
+        when given) when training starts (:meth:`configure_model`: after the strategy
         wrapped it and FSDP sharded it), in place: parameter names and checkpoints are
-        those of the eager network. Training's ``compile=true``."""
+        those of the eager network. Training's ``compile=true`` (and
+        ``compile_memory_budget``).
+
+        Raises:
+            ValueError: ``memory_budget`` outside [0, 1], or below 1 on a network with
+                dropout or drop-path (:func:`remat.compiling.refuse_random_ops_recomputed`).
+        """
+        from remat.compiling import check_partitioner_budget, refuse_random_ops_recomputed
+
+        memory_budget = check_partitioner_budget(memory_budget, "compile_memory_budget")
+        refuse_random_ops_recomputed(self.net, memory_budget, "compile_memory_budget")
+        self.compile_memory_budget = memory_budget
         self.compile_options: dict[str, Any] | None = dict(options or {})
 
     @property
@@ -119,10 +132,14 @@ class StrategyModule(L.LightningModule):
                         "(compiled: false), so its predicted peak leaves out those masks; "
                         "plan for this run with python -m remat.plan ... compile=true",
                         getattr(self.strategy, "origin", "a plan file"))
-        self.compile_backend = RowBackend(TRAINING_BACKEND, options=options)
+        budget = getattr(self, "compile_memory_budget", None)
+        self.compile_backend = RowBackend(TRAINING_BACKEND, memory_budget=budget,
+                                          options=options)
         compile_row(self.net, self.compile_backend)
-        log.info("torch.compile(%s) of the network, in place%s", TRAINING_BACKEND,
-                 f", inductor options {options}" if options else "")
+        log.info("torch.compile(%s) of the network, in place%s%s", TRAINING_BACKEND,
+                 f", inductor options {options}" if options else "",
+                 f", partitioner activation_memory_budget {budget:g}" if budget is not None
+                 else "")
 
     def configure_model(self) -> None:
         """Shard ``self.net`` with FSDP2 when the trainer runs Lightning's

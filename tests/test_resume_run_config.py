@@ -167,3 +167,5 @@ def test_eval_and_predict_refuse_a_data_key_the_runs_data_lacks(tmp_path):
         "model=unet_resnet18", ckpt, "data=folder", "data.root=/x"]
     assert run_group_args([ckpt, "data.num_val=2", "+data.extra=1"])[:2] == [
         "data=synthetic_seg", "model=unet_resnet18"]
+    # a key the run's saved config lacks but today's synthetic_seg has (a newer setting)
+    assert run_group_args([ckpt, "data.num_train=3"])[-1] == "data.num_train=3"

@@ -305,10 +305,11 @@ def run_group_args(args: list[str]) -> list[str]:
 
 def _check_group_keys(run: Path, choices: dict[str, str], given: set[str],
                       plain: set[str]) -> None:
-    """Refuse a ``data.<key>=`` / ``model.<key>=`` override (``plain``: without ``+``) of a key the run's own data or
-    model config does not have, when the command line keeps that config (Hydra's
-    "Key 'root' is not in struct" otherwise): a run trained on ``data=synthetic_seg`` has no
-    ``data.root``, so another folder needs ``data=folder`` beside it.
+    """Refuse a ``data.<key>=`` / ``model.<key>=`` override (``plain``: those without ``+``)
+    of a key neither the run's own data or model config nor the current one of that choice
+    has, when the command line keeps the run's choice (Hydra's "Key 'root' is not in
+    struct" otherwise): a run trained on ``data=synthetic_seg`` has no ``data.root``, so
+    another folder needs ``data=folder`` beside it.
 
     Raises:
         ValueError: names the key, the run's choice and what to add.
@@ -321,15 +322,25 @@ def _check_group_keys(run: Path, choices: dict[str, str], given: set[str],
         node = saved.get(group)
         if group in given or group not in choices or not isinstance(node, DictConfig):
             continue
-        for key in sorted(plain):
-            head, _, rest = key.partition(".")
-            leaf = rest.partition(".")[0]
-            if head == group and leaf and leaf not in node:
-                hint = (f"to read another folder give its dataset too, e.g. data=folder "
-                        f"{key}=<folder>" if key == "data.root"
-                        else f"give {group}=<name> to choose another config")
-                raise ValueError(f"{key}: the run was trained with {group}={choices[group]}, "
-                                 f"which has no {leaf!r} key; {hint}")
+        missing = [key for key in sorted(plain) if key.partition(".")[0] == group
+                   and key.split(".")[1] not in node]
+        if not missing:
+            continue
+        from hydra import compose, initialize_config_dir
+
+        from remat.config import config_dir
+
+        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
+            current = compose("train", overrides=[f"{group}={choices[group]}"])[group]
+        for key in missing:
+            leaf = key.split(".")[1]
+            if leaf in current:
+                continue
+            hint = (f"to read another folder give its dataset too, e.g. data=folder "
+                    f"{key}=<folder>" if key == "data.root"
+                    else f"give {group}=<name> to choose another config")
+            raise ValueError(f"{key}: the run was trained with {group}={choices[group]}, "
+                             f"which has no {leaf!r} key; {hint}")
 
 
 def run_config_path(cfg: DictConfig) -> Path | None:

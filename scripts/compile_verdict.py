@@ -9,7 +9,9 @@ the interleaved rounds and by each row's fastest step.
         --run gpt_small=... --run vit_s=... --out docs/results
 
 Writes ``<out>/plans_vs_compile_<name>.csv`` per run and ``<out>/plans_vs_compile_summary.csv``;
-their ``.md`` companions (setup, command, reading) are written by hand.
+their ``.md`` companions (setup, command, reading) are written by hand. The summary keeps the
+rows of models not given (one model's run can be redone alone); a given model's rows are
+replaced, in the summary's order.
 """
 
 from __future__ import annotations
@@ -112,13 +114,18 @@ def main() -> None:
                         help="NAME=path/to/bench.json (one per model)")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     args = parser.parse_args()
-    summary = []
+    new: dict[str, list[dict[str, str]]] = {}
     for item in args.run:
         name, _, path = item.partition("=")
         record = json.loads(Path(path).read_text())
         _write(args.out / f"plans_vs_compile_{name}.csv", run_table(record))
-        summary += verdict(name, record)
-    _write(args.out / "plans_vs_compile_summary.csv", summary)
+        new[name] = verdict(name, record)
+    path = args.out / "plans_vs_compile_summary.csv"
+    kept = list(csv.DictReader(path.open())) if path.is_file() else []
+    models = list(dict.fromkeys([r["model"] for r in kept] + list(new)))
+    summary = [row for model in models
+               for row in new.get(model, [r for r in kept if r["model"] == model])]
+    _write(path, summary)
 
 
 if __name__ == "__main__":

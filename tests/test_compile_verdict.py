@@ -68,3 +68,13 @@ def test_script_writes_a_table_per_run_and_the_summary(tmp_path):
     assert table[1]["recompute FLOPs x none"] == "1.100" and table[5]["grad rel err"] == "0"
     summary = list(csv.DictReader((tmp_path / "plans_vs_compile_summary.csv").open()))
     assert [r["torch.compile budget"] for r in summary] == ["1.0", "0.5", "0.1"]
+    # another model's run alone: the summary keeps net's rows and adds the other's after them
+    sys.argv = ["compile_verdict.py", "--run", f"other={record}", "--out", str(tmp_path)]
+    try:
+        _script().main()
+        sys.argv[2] = f"net={record}"  # net again: its rows replaced in place, not appended
+        _script().main()
+    finally:
+        sys.argv = argv
+    summary = list(csv.DictReader((tmp_path / "plans_vs_compile_summary.csv").open()))
+    assert [r["model"] for r in summary] == ["net"] * 3 + ["other"] * 3

@@ -71,6 +71,7 @@ def test_benchmark_requires_the_none_reference():
                       {"tokens": torch.zeros(1, 9, dtype=torch.long)})
 
 
+@pytest.mark.slow  # about a minute (a subprocess, two sizes); bench() itself runs in-process below
 def test_bench_entry_point_writes_csv_and_json(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
@@ -553,21 +554,22 @@ def test_bench_torch_compile_memory_budget_reference_row(tmp_path):
         bench(cfg)
 
 
-def test_a_compiled_row_with_a_partitioner_budget_runs_its_plan_under_it(tmp_path):
-    """``compile_memory_budget`` on a compiled row: the strategy (a plan included, which is
-    made per size and replaces the row's strategy object) and the partitioner's budget
-    together; below the same strategy compiled without it."""
+def _partitioner_rows(tmp_path, rows: str) -> dict:
     cfg = compose_config("bench", tmp_path, [
         "model=gpt_tiny", "model.n_layer=2", "model.dropout=0.0", "data.batch_size=4",
         "data.block_size=256", "strategies=[none,sqrtn]", "reference_points=false",
         "warmup=0", "steps=1", "device=cpu", "compiled=true", "compile_backend=aot_eager",
-        "compile_strategies=[none,sqrtn,{name: sqrtn, compile_memory_budget: 0.5},"
-        "{name: budget, at: sqrtn, compile_memory_budget: 0.5}]"])
-    by = {r["strategy"]: r for r in bench(cfg)["rows"]}
-    plain = by["sqrtn (compiled, aot_eager)"]  # 6.17 MiB; under the budget 6.11 MiB
-    for label in ("sqrtn(compile_memory_budget=0.5)", "budget(at=sqrtn, compile_memory_budget=0.5)"):
-        row = by[f"{label} (compiled, aot_eager)"]
-        assert row["grads_match"] and row["peak_bytes"] < plain["peak_bytes"], (label, row)
+        f"compile_strategies=[none,sqrtn,{rows}]"])
+    return {r["strategy"]: r for r in bench(cfg)["rows"]}
+
+
+def test_a_compiled_row_with_a_partitioner_budget_runs_under_it(tmp_path):
+    """``compile_memory_budget`` on a compiled row: the strategy and the partitioner's budget
+    together, below the same strategy compiled without it (6.11 against 6.17 MiB)."""
+    by = _partitioner_rows(tmp_path, "{name: sqrtn, compile_memory_budget: 0.5}")
+    plain = by["sqrtn (compiled, aot_eager)"]
+    row = by["sqrtn(compile_memory_budget=0.5) (compiled, aot_eager)"]
+    assert row["grads_match"] and row["peak_bytes"] < plain["peak_bytes"], row
     cfg = compose_config("bench", tmp_path, [
         "model=gpt_tiny", "strategies=[none,{name: full, compile_memory_budget: 0.5}]"])
     with pytest.raises(ValueError, match=r"full\(compile_memory_budget=0.5\): "
@@ -578,6 +580,15 @@ def test_a_compiled_row_with_a_partitioner_budget_runs_its_plan_under_it(tmp_pat
         "compile_memory_budget: 2}]"])
     with pytest.raises(ValueError, match=r"memory_budget must be a number in \[0, 1\]"):
         bench(cfg)
+
+
+def test_a_planned_row_keeps_its_partitioner_budget(tmp_path):
+    """A budget row's plan is made per size and replaces the row's strategy object; the
+    partitioner's budget goes with it."""
+    by = _partitioner_rows(tmp_path, "{name: budget, at: sqrtn, compile_memory_budget: 0.5}")
+    row = by["budget(at=sqrtn, compile_memory_budget=0.5) (compiled, aot_eager)"]
+    assert row["grads_match"] and row["peak_bytes"] < by["sqrtn (compiled, aot_eager)"][
+        "peak_bytes"], row
 
 
 def test_rows_that_would_wrap_nothing_are_refused_as_training_refuses_them(tmp_path):

@@ -435,6 +435,37 @@ def test_blocks_with_parameters_that_write_their_input_keep_a_copy_not_a_join():
     assert peaks["full"] < peaks["none"], peaks
 
 
+class _StrideView(nn.Module):
+    def forward(self, x):
+        return x[:, :, ::1]  # a view of its input: no copy
+
+
+class _WriteThroughView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        x.view(x.shape).add_(1)  # writes the storage of the view's base: the segment's input
+        return self.conv(x)
+
+
+@pytest.mark.parametrize("name", ["full", "sqrtn", "every_k", "selective", "offload"])
+def test_a_block_that_writes_through_a_view_an_earlier_block_made_computes_none_s_function(
+        name):
+    """The write reaches a kept input of the segment through a tensor the call did not get
+    from outside (a view made inside the segment): the watch covered only the call's own
+    inputs, so sqrtn raised RecomputeError; now every kept input is watched and copied."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(4, 4, 1), _StrideView(), _WriteThroughView(),
+                         nn.Conv2d(4, 4, 1), _StrideView(), _WriteThroughView())
+    x = torch.randn(2, 4, 8, 8)
+    reference = _steps(copy.deepcopy(base), x)
+    build_strategy(name).apply(base, [""])
+    for got, ref in zip(_steps(base, x), reference, strict=True):
+        assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
+
+
 class _Segments(SelectiveCheckpoint):
     def __init__(self, bounds: list[tuple[int, int]]) -> None:
         super().__init__()

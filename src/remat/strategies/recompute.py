@@ -451,8 +451,9 @@ class _InputWrites(_compat.TorchDispatchMode):
 
     Args:
         tape: the region's tape.
-        indices: the tape externals the call reads (views of one storage are all copied
-            when any of them is written).
+        indices: the tape externals to watch: all of the region's kept inputs, since a
+            call may write one through a view an earlier call made (views of one storage
+            are all copied when any of them is written).
     """
 
     def __init__(self, tape: _Tape, indices: Sequence[int]) -> None:
@@ -705,7 +706,9 @@ class Region:
         # so a selective region's cache does not see the copy.
         writes: Any = contextlib.nullcontext()
         if self._pack is None and (not wrap.state.learned or wrap.state.writes_inputs):
-            watch = _InputWrites(self.tape, [s[1] for s in sources if s[0] == "e"])
+            # every kept input of the region, not only this call's: a block may write one
+            # through a view an earlier block of the segment made (x[:, ::1], then add_)
+            watch = _InputWrites(self.tape, range(len(self.tape.externals)))
             writes = watch if watch.watched else writes
         note_inputs = getattr(self.forward_ctx, "note_inputs", None)
         if note_inputs is not None:  # selective: in-place ops on them run again

@@ -37,7 +37,6 @@ from remat.measure import (
 )
 from remat.planner import BudgetStrategy, InfeasibleBudget, PlanStrategy
 from remat.sharding import shard
-from remat.strategies.references import TorchCompileMemoryBudget
 from remat.strategies import (
     COMPILED_REFERENCES,
     REFERENCES,
@@ -46,6 +45,7 @@ from remat.strategies import (
     StageError,
     build_strategy,
 )
+from remat.strategies.references import TorchCompileMemoryBudget
 
 PEAK_METHODS = {"allocator": "cuda allocator", "memtracker": "MemTracker",
                 "profiler": "torch.profiler"}

@@ -119,3 +119,32 @@ class LeafNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c3(torch.relu(self.c2(torch.relu(self.c1(x)))))
+
+
+class AddPos(nn.Module):
+    """A block with parameters that writes its input in place (``x += self.pos``) before
+    its convolution: ``[B, C, H, W]`` -> ``[B, C, H, W]``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, width, 1, 1) * 0.1)
+        self.conv, self.norm = nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x += self.pos
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+class AddPosNet(nn.Module):
+    """A stem, a chain ``blocks`` of :class:`AddPos` and a 1x1 head:
+    ``[B, in_channels, H, W]`` -> ``[B, out_channels, H, W]``."""
+
+    def __init__(self, in_channels: int = 3, out_channels: int = 1, width: int = 8,
+                 depth: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, width, 3, padding=1)
+        self.blocks = nn.Sequential(*[AddPos(width) for _ in range(depth)])
+        self.head = nn.Conv2d(width, out_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))

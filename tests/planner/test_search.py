@@ -189,6 +189,33 @@ def test_segments_that_write_their_own_input_in_place_are_never_replayed():
                 assert min(f.time for f in front if f.kept <= o.kept) <= o.time + 1e-9
 
 
+def test_a_writer_with_parameters_keeps_a_copy_of_what_it_writes():
+    """A block with parameters that writes its input (``x += self.pos``) does not join the
+    segment before it at run time: its segment keeps a copy of the input, taken before the
+    write, on top of the input itself (the written storage lives on as the block's data)."""
+    from dataclasses import replace
+
+    from remat.planner.search import replayable, replayable_segments, segment_keys
+
+    blocks = random_chain(random.Random(3), 4)
+    written = {100: blocks[1].inputs[100]}
+    blocks[1] = replace(blocks[1], mutated=written, parameters=True)
+    unwritten = [blocks[0], replace(blocks[1], mutated={}), *blocks[2:]]
+    for mode in ("recompute", "selective"):
+        assert replayable(blocks, 1, 2, mode)
+        kept, *_ = segment_keys(blocks, 1, 2, mode)
+        assert kept == segment_keys(unwritten, 1, 2, mode)[0] | {("copy", 100): written[100]}
+    assert not replayable(blocks, 1, 2, "offload")  # offload keeps no copies
+    full = [(i, i + 1, "recompute") for i in range(4)]
+    assert replayable_segments(blocks, full) == full  # no join
+    # a block inside a segment that writes the segment's input (through a view an earlier
+    # block made): the copy as well, whatever its parameters
+    inner = [blocks[0], replace(blocks[1], mutated={}, parameters=False),
+             replace(blocks[2], mutated={100: written[100]}), blocks[3]]
+    assert replayable(inner, 1, 3, "recompute")
+    assert segment_keys(inner, 1, 3, "recompute")[0][("copy", 100)] == written[100]
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_least_kept_is_the_fewest_bytes_any_plan_keeps_within_the_cap(seed):
     """The floor's DP against brute force: the least kept bytes over every plan whose

@@ -74,6 +74,9 @@ class BlockCost:
         mutated: storage key -> bytes of its inputs its own ops write in place (an
             ``nn.ReLU(inplace=True)`` member of a chain): a recompute segment that starts
             at it would replay on the values it overwrote, so none may.
+        parameters: whether the block has parameters of its own: a segment starting at a
+            parameterless writer joins the one before it at run time; any other writer's
+            segment keeps a copy of what it writes (:func:`remat.planner.search.replayable`).
     """
 
     path: str
@@ -86,6 +89,7 @@ class BlockCost:
     inputs: dict[Any, int] = field(default_factory=dict)
     outputs: dict[Any, int] = field(default_factory=dict)
     mutated: dict[Any, int] = field(default_factory=dict)
+    parameters: bool = False
 
     @property
     def saved_bytes(self) -> int:
@@ -333,7 +337,8 @@ def _profile_fn(paths: Sequence[str] | None, device: DeviceSpec, batch_size: int
         owners: dict[int, list[tuple[str, str]]] = {}  # module -> (unit, block) it is
         for unit in units:
             for path in unit.blocks:
-                recorder.blocks[path] = BlockCost(path)
+                recorder.blocks[path] = BlockCost(
+                    path, parameters=next(named[path].parameters(), None) is not None)
                 owners.setdefault(id(named[path]), []).append((unit.path, path))
         running: list[str] = []  # the chain units running now, innermost last
         unit_of = {path: unit.path for unit in units for path in unit.blocks}

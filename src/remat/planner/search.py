@@ -61,6 +61,7 @@ class Block:
     selective_flops: int
     mutated: dict = field(default_factory=dict)
     host_seconds_per_byte: float = 0.0
+    parameters: bool = False
 
 
 @dataclass
@@ -104,9 +105,10 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
     if mode == "keep":
         return dict(blocks[start].saved), 0, 0.0, 0
     inputs = _segment_inputs(blocks, start, end)
+    copies = {("copy", k): v for k, v in _copied(blocks, start, end).items()}
     if mode == "selective":
         b = blocks[start]
-        kept = inputs | b.selective_saved
+        kept = inputs | copies | b.selective_saved
         rest = {k: v for k, v in b.saved.items() if k not in b.selective_saved}
         return kept, _bytes(rest), b.selective_time, b.selective_flops
     internal: dict = {}
@@ -120,17 +122,29 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
                              "(its host_bandwidth); this one has none")
         moved = 2 * _bytes(inputs) * blocks[start].host_seconds_per_byte
         return {}, _bytes(internal | inputs), time + moved, flops
-    return inputs, _bytes(internal), time, flops
+    return inputs | copies, _bytes(internal), time, flops
+
+
+def _copied(blocks: Sequence[Block], start: int, end: int) -> dict:
+    """Storage key -> bytes of the inputs of segment ``[start, end)`` that its blocks write
+    in place: remat's recompute keeps a copy of each, taken just before the write (the
+    replay starts from it)."""
+    inputs = _segment_inputs(blocks, start, end)
+    return {k: inputs[k] for b in blocks[start:end] for k in b.mutated if k in inputs}
 
 
 def replayable(blocks: Sequence[Block], start: int, end: int, mode: str) -> bool:
-    """Whether blocks ``[start, end)`` may run in ``mode``: a recompute (or selective)
-    segment must not write any of its own inputs in place, or its replay in backward
-    would start from the overwritten values (remat's recompute refuses it)."""
+    """Whether blocks ``[start, end)`` may run in ``mode`` as they are: a segment whose first
+    block writes one of the segment's inputs in place and has no parameters (an in-place
+    activation) joins the segment before it at run time instead (remat's recompute keeps a
+    copy of what any other block writes: :func:`_copied`); ``offload`` keeps no copies."""
     if mode == "keep":
         return True
     inputs = _segment_inputs(blocks, start, end)
-    return not any(k in inputs for b in blocks[start:end] for k in b.mutated)
+    if mode == "offload":
+        return not any(k in inputs for b in blocks[start:end] for k in b.mutated)
+    first = blocks[start]
+    return first.parameters or not any(k in inputs for k in first.mutated)
 
 
 def replayable_segments(blocks: Sequence[Block], segments: Sequence[tuple[int, int, str]]
@@ -451,7 +465,8 @@ def to_block(cost: Any, objective: str = "time", host_bandwidth: float = 0.0) ->
     if objective == "flops":
         return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs,
                      float(cost.flops), cost.flops, float(cost.selective_flops),
-                     cost.selective_flops, mutated)
+                     cost.selective_flops, mutated, parameters=cost.parameters)
     per_byte = 1.0 / host_bandwidth if host_bandwidth > 0 else 0.0
     return Block(cost.saved, cost.selective_saved, cost.inputs, cost.outputs, cost.time,
-                 cost.flops, cost.selective_time, cost.selective_flops, mutated, per_byte)
+                 cost.flops, cost.selective_time, cost.selective_flops, mutated, per_byte,
+                 cost.parameters)

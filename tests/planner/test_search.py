@@ -192,7 +192,8 @@ def test_segments_that_write_their_own_input_in_place_are_never_replayed():
 def test_a_writer_with_parameters_keeps_a_copy_of_what_it_writes():
     """A block with parameters that writes its input (``x += self.pos``) does not join the
     segment before it at run time: its segment keeps a copy of the input, taken before the
-    write, on top of the input itself (the written storage lives on as the block's data)."""
+    write, in place of the input (whose storage is then kept only where another key holds
+    it: counted twice, a chain of them modelled 68.4 MiB where the trace peaked 49.5)."""
     from dataclasses import replace
 
     from remat.planner.search import replayable, replayable_segments, segment_keys
@@ -204,7 +205,9 @@ def test_a_writer_with_parameters_keeps_a_copy_of_what_it_writes():
     for mode in ("recompute", "selective"):
         assert replayable(blocks, 1, 2, mode)
         kept, *_ = segment_keys(blocks, 1, 2, mode)
-        assert kept == segment_keys(unwritten, 1, 2, mode)[0] | {("copy", 100): written[100]}
+        plain = segment_keys(unwritten, 1, 2, mode)[0]
+        assert 100 in plain and kept == {("copy", 100) if k == 100 else k: v
+                                         for k, v in plain.items()}
     assert not replayable(blocks, 1, 2, "offload")  # offload keeps no copies
     full = [(i, i + 1, "recompute") for i in range(4)]
     assert replayable_segments(blocks, full) == full  # no join

@@ -105,10 +105,13 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
     if mode == "keep":
         return dict(blocks[start].saved), 0, 0.0, 0
     inputs = _segment_inputs(blocks, start, end)
-    copies = {("copy", k): v for k, v in _copied(blocks, start, end).items()}
+    if mode != "offload":  # the checkpoint keeps the copy in place of the written input,
+        # whose storage lives on only where something else holds it (another key)
+        copied = _copied(blocks, start, end)
+        inputs = {(("copy", k) if k in copied else k): v for k, v in inputs.items()}
     if mode == "selective":
         b = blocks[start]
-        kept = inputs | copies | b.selective_saved
+        kept = inputs | b.selective_saved
         rest = {k: v for k, v in b.saved.items() if k not in b.selective_saved}
         return kept, _bytes(rest), b.selective_time, b.selective_flops
     internal: dict = {}
@@ -122,13 +125,13 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
                              "(its host_bandwidth); this one has none")
         moved = 2 * _bytes(inputs) * blocks[start].host_seconds_per_byte
         return {}, _bytes(internal | inputs), time + moved, flops
-    return inputs | copies, _bytes(internal), time, flops
+    return inputs, _bytes(internal), time, flops
 
 
 def _copied(blocks: Sequence[Block], start: int, end: int) -> dict:
     """Storage key -> bytes of the inputs of segment ``[start, end)`` that its blocks write
-    in place: remat's recompute keeps a copy of each, taken just before the write (the
-    replay starts from it)."""
+    in place: remat's recompute keeps a copy of each, taken just before the write, in
+    place of the input (the replay starts from it)."""
     inputs = _segment_inputs(blocks, start, end)
     return {k: inputs[k] for b in blocks[start:end] for k in b.mutated if k in inputs}
 

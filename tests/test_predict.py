@@ -133,3 +133,28 @@ def test_unreadable_inputs_are_all_named_before_any_mask_is_written(trained, tmp
     (inputs / "zz_garbage.png").unlink()
     (inputs / "aa_empty.jpg").unlink()
     assert predict(compose_app("predict", tmp_path / "q", args))["count"] == 6
+
+
+def test_an_output_inside_the_input_is_not_read_as_input_and_stale_masks_are_named(
+        trained, tmp_path, caplog):
+    """Predicting into ``<input>/out`` and again with overwrite=true predicted on the first
+    run's masks (6 rows for 3 images, ``out/out/...``); and an overwrite that writes fewer
+    masks left the others in the folder without a word."""
+    import logging
+
+    _, root, ckpt = trained
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for image in sorted((root / "data" / "images").iterdir())[:3]:
+        shutil.copy(image, inputs / image.name)
+    out = inputs / "out"
+    args = [f"ckpt_path={ckpt}", f"input={inputs}", f"output={out}"]
+    assert predict(compose_app("predict", tmp_path / "p", args))["count"] == 3
+    again = predict(compose_app("predict", tmp_path / "q", [*args, "overwrite=true"]))
+    assert again["count"] == 3 and not (out / "out").exists()
+    first = sorted(inputs.glob("*.png"))[0]
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        one = predict(compose_app("predict", tmp_path / "r", [
+            f"ckpt_path={ckpt}", f"input={first}", f"output={out}", "overwrite=true"]))
+    assert one["count"] == 1
+    assert "overwrite=true: 2 file(s) of an earlier run remain in" in caplog.text

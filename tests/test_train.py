@@ -437,6 +437,8 @@ def test_compile_options_without_compile_are_ignored_with_a_warning(tmp_path, ca
      "compile_options.layout_optimisation: not an inductor setting"),
     (["compile=true", "compile_memory_budget=1.5"],
      r"compile_memory_budget must be a number in \[0, 1\].*got 1.5"),
+    (["compile_memory_budget=half"],  # checked with compile=false too (then ignored)
+     r"compile_memory_budget must be a number in \[0, 1\].*got 'half'"),
 ])
 def test_bad_compile_settings_name_the_key(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):

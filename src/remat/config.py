@@ -60,6 +60,7 @@ def check_top_level(cfg: DictConfig) -> None:
         )
     from remat.compiling import check_partitioner_budget
 
+    check_partitioner_budget(cfg.get("compile_memory_budget"), "compile_memory_budget")
     compiled = cfg.get("compile", False)
     if not isinstance(compiled, bool):
         raise ValueError(f"compile must be true or false (torch.compile the network after "
@@ -73,7 +74,6 @@ def check_top_level(cfg: DictConfig) -> None:
         options = cfg.get("compile_options")
         training_options(OmegaConf.to_container(options) if isinstance(options, DictConfig)
                          else options)
-        check_partitioner_budget(cfg.get("compile_memory_budget"), "compile_memory_budget")
     else:
         for key in ("compile_options", "compile_memory_budget"):
             if cfg.get(key) is not None:

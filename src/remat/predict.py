@@ -36,6 +36,7 @@ from remat.prediction import (
     VolumeMaskWriter,
     check_inputs,
     check_output,
+    stale_files,
     list_inputs,
     mask_format,
 )
@@ -68,7 +69,7 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
     run = OmegaConf.load(run_path) if run_path is not None else None
     cfg = apply_run_config(cfg, run, run_path, RUN_KEYS)
     output = Path(str(cfg.output)).expanduser()
-    check_output(output, bool(cfg.get("overwrite", False)))
+    held = check_output(output, bool(cfg.get("overwrite", False)))
     model = instantiate(cfg.model)
     if not isinstance(model, SegmentationModule):
         raise ValueError(f"remat.predict writes segmentation masks; model._target_ built "
@@ -84,7 +85,8 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
                          "file dataset (data=folder, kvasir_seg, ...) or give data=<one>")
     volumes = hasattr(datamodule, "restore_labels")  # data=msd/volumes: NIfTI (.npy) out
     suffixes = getattr(datamodule, "input_suffixes", IMAGE_SUFFIXES)
-    paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes)
+    paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes,
+                               exclude=output)
     kind, colours = ("nifti", None) if volumes else mask_format(
         datamodule, int(model.hparams.num_classes), str(cfg.get("format", "auto")))
     dataset = datamodule.predict_dataset(paths, names)
@@ -107,6 +109,11 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
                                 for r in writer.rows})) or kind
     log.info("%d %s masks written to %s (list: %s)", len(writer.rows), kind, output,
              output / "predictions.csv")
+    stale = stale_files(held, writer.rows)
+    if stale:
+        log.warning("overwrite=true: %d file(s) of an earlier run remain in %s, not listed in "
+                    "predictions.csv (e.g. %s); remove them, or predict into an empty folder",
+                    len(stale), output, stale[0])
     return {"output": str(output), "count": len(writer.rows), "format": kind,
             "rows": writer.rows}
 

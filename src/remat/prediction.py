@@ -41,7 +41,8 @@ def _strip(name: str, suffixes: Sequence[str]) -> str:
 
 
 def list_inputs(source: str | Path, pattern: str = "**/*",
-                suffixes: Sequence[str] = IMAGE_SUFFIXES) -> tuple[list[Path], list[str]]:
+                suffixes: Sequence[str] = IMAGE_SUFFIXES, exclude: Path | None = None
+                ) -> tuple[list[Path], list[str]]:
     """The image files to predict and their output names.
 
     Args:
@@ -50,6 +51,8 @@ def list_inputs(source: str | Path, pattern: str = "**/*",
             :data:`IMAGE_SUFFIXES`; volumes: ``.nii.gz``, ``.nii``). Names are the paths
             below the folder without the suffix (``site1/case3``); a single file's name is
             its name without the suffix.
+        exclude: a folder whose files are never inputs (the output folder, when it lies
+            inside ``source``: a run must not predict on the masks of an earlier one).
 
     Raises:
         FileNotFoundError: ``source`` does not exist, or the folder holds no image (names
@@ -63,8 +66,10 @@ def list_inputs(source: str | Path, pattern: str = "**/*",
     if not path.is_dir():
         raise FileNotFoundError(f"input={source}: no such file or folder (give a folder of "
                                 "images or one image file)")
+    skip = exclude.expanduser().resolve() if exclude is not None else None
     files = sorted(p for p in path.glob(pattern) if p.is_file()
-                   and p.name.lower().endswith(suffixes) and not p.name.startswith("."))
+                   and p.name.lower().endswith(suffixes) and not p.name.startswith(".")
+                   and (skip is None or not p.resolve().is_relative_to(skip)))
     if not files:
         raise FileNotFoundError(f"input={source}: no image matches {pattern!r} there "
                                 f"(suffixes {', '.join(suffixes)})")
@@ -291,9 +296,9 @@ def check_inputs(dataset: Any, source: str | Path) -> None:
             "Fix or remove them, or choose the others with images=<glob>."]), problems)
 
 
-def check_output(output: Path, overwrite: bool) -> None:
+def check_output(output: Path, overwrite: bool) -> list[Path]:
     """Refuse an output folder that already holds files (earlier predictions are not
-    written over) unless ``overwrite``.
+    written over) unless ``overwrite``; return the files it holds.
 
     Raises:
         FileExistsError: names the folder, how many files it holds and the two ways on.
@@ -304,3 +309,13 @@ def check_output(output: Path, overwrite: bool) -> None:
     if held and not overwrite:
         raise FileExistsError(f"output={output} already holds {len(held)} file(s); give "
                               "another folder, or overwrite=true to write over them")
+    return held
+
+
+def stale_files(held: Sequence[Path], rows: Sequence[dict[str, Any]]) -> list[Path]:
+    """The files of ``held`` (in the output folder before an ``overwrite=true`` run) that
+    the run did not write again (``rows``: its ``predictions.csv`` rows; the list itself is
+    rewritten): masks of inputs this run did not have. They are left in place."""
+    written = {Path(str(r[k])).resolve() for r in rows for k in ("mask", "probabilities")
+               if r.get(k)}
+    return [p for p in held if p.name != "predictions.csv" and p.resolve() not in written]

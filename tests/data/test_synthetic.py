@@ -129,6 +129,8 @@ def test_datamodule_batches_and_loader_rules():
     ({"batch_size": 2.5}, r"data.batch_size must be a positive int, got 2.5"),
     ({"batch_size": True}, r"data.batch_size must be a positive int, got True"),
     ({"num_workers": -2}, r"data.num_workers must be an int >= 0, got -2"),
+    ({"num_train": 0}, r"data.num_train must be a positive int, got 0"),
+    ({"num_val": 0}, r"data.num_val must be a positive int, got 0"),
 ])
 def test_loader_settings_are_checked_when_the_datamodule_is_built(setting, message):
     """A bad batch size was DataLoader's traceback at the first batch; now one line naming

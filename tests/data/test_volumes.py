@@ -198,10 +198,14 @@ def test_npy_folder_trains_one_step_and_predicts_arrays(tmp_path):
     args = [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"input={root / 'images'}",
             f"output={out}", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"]
     (root / "images" / "broken.npy").write_bytes(b"\x93NUMPY garbage")  # checked first
-    with pytest.raises(ValueError, match=r"1 of 4 file\(s\) cannot be read(.|\n)*broken.npy"):
+    np.save(root / "images" / "flat.npy", np.zeros((32, 32), np.int16))  # a 2D array
+    with pytest.raises(ValueError, match=r"2 of 5 file\(s\) cannot be read(.|\n)*broken.npy"
+                                         r"(.|\n)*flat.npy: image of shape \(32, 32\); "
+                                         r"expected a 3D volume"):
         predict(compose_app("predict", tmp_path / "p0", args))
     assert not out.exists() or not any(out.rglob("*"))
     (root / "images" / "broken.npy").unlink()
+    (root / "images" / "flat.npy").unlink()
     result = predict(compose_app("predict", tmp_path / "p", args))
     assert result["count"] == 3
     mask = np.load(out / "case0.npy")

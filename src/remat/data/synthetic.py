@@ -195,6 +195,9 @@ class SyntheticSegDataModule(SplitDataModule):
     ) -> None:
         super().__init__(batch_size, num_workers, pin_memory, loader_seed=seed)
         self.image_size = as_pair(image_size, "data.image_size")
+        for key, value in (("num_train", num_train), ("num_val", num_val)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{key} must be a positive int, got {value!r}")
         self.num_train = num_train
         self.num_val = num_val
         self.seed = seed

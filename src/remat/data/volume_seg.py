@@ -266,9 +266,13 @@ class PredictVolumes(Dataset):
         mask; the voxels are read when the volume is predicted).
 
         Raises:
-            ValueError: not a readable NIfTI / ``.npy`` file (:func:`read_volume`).
+            ValueError: not a readable NIfTI / ``.npy`` file (:func:`read_volume`), or not
+                3D (4D: channels on the last axis).
         """
-        read_volume(path, data=False)
+        shape, _, _ = read_volume(path, data=False)
+        if len(shape) not in (3, 4):
+            raise ValueError(f"{path}: image of shape {shape}; expected a 3D volume (4D: "
+                             "channels on the last axis)")
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         out = self.finish(self.load({"image": str(self.paths[index])}))

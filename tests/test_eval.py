@@ -221,10 +221,12 @@ def test_eval_refuses_a_test_split_the_dataset_does_not_have(tmp_path, trained, 
 
 
 def test_another_dataset_scores_with_the_runs_model(tmp_path, trained, isbi_root):
-    """data=<name> scores the run's model on another dataset (its size keys differ: warned)."""
+    """data=<name> scores the run's model on another dataset (its size keys differ: warned);
+    published scores, which are for the run's own data, are left out of the report."""
     ckpt, _ = trained
     cfg = compose_eval(tmp_path, ["data=isbi2012", f"data.root={isbi_root}", "data.limit_val=1",
-                                  f"ckpt_path={ckpt}"])
+                                  f"ckpt_path={ckpt}", "reference=[{metric: val/dice, "
+                                  "value: 0.9, model: U-Net, source: paper}]"])
     with pytest.warns(UserWarning, match=r"data.patch_size=256 but the run trained with "
                                          r"data.patch_size=None"):
         result = evaluate(cfg)
@@ -232,6 +234,7 @@ def test_another_dataset_scores_with_the_runs_model(tmp_path, trained, isbi_root
         ("25", "512", "512")]  # the first val section, whole
     assert result["task_name"] == "train"  # the run's
     assert cfg.model.encoder_name == "resnet18"
+    assert result["reference"] == []
 
 
 def test_drive_test_split_scores_the_labelled_test_folder(tmp_path):

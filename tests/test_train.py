@@ -464,3 +464,14 @@ def test_lora_on_a_model_without_adapters_names_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"model.lora: SegmentationModule .*does not train "
                                          r"LoRA adapters.*model=hf_llama"):
         train(compose_train(tmp_path, [*TINY, "+model.lora={r: 4, alpha: 8}"]))
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("model.optimizer.lr=abc", r"model.optimizer: TypeError: '<=' not supported"),
+    ("model.optimizer.lr=-1", r"model.optimizer: ValueError: Invalid learning rate: -1"),
+])
+def test_a_bad_optimizer_setting_is_named_before_training(tmp_path, setting, message):
+    """It failed inside Lightning's configure_optimizers, with the optimizer's traceback."""
+    with pytest.raises(ValueError, match=message):
+        train(compose_train(tmp_path, [*TINY, setting]))
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"

@@ -150,6 +150,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
                if k.startswith(prefix)}
     reference = cfg.get("reference")
     references = [] if reference is None else OmegaConf.to_container(reference, resolve=True)
+    other = run is not None and _other_data(cfg.data, run.get("data"))
+    if references and other:  # a benchmark's published scores are for its own data
+        log.info("published scores of %s not shown: scored on other data (%s) than the run "
+                 "trained on", cfg.get("task_name"), other)
+        references = []
     result = {
         "task_name": cfg.get("task_name"),
         "ckpt_path": str(ckpt_path),
@@ -175,6 +180,17 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             f"{k}={v:.4f}" for k, v in values.items() if v is not None))
     log.info("per-image and overall metrics written to %s", out)
     return result
+
+
+def _other_data(data: DictConfig, trained: Any) -> str | None:
+    """What differs between the data scored (``data``) and the run's (``trained``): its
+    ``_target_`` or ``root``, as ``key=value``; None when neither does."""
+    if not isinstance(trained, DictConfig):
+        return None
+    for key in ("_target_", "root"):
+        if str(data.get(key)) != str(trained.get(key)):
+            return f"data.{key}={data.get(key)}"
+    return None
 
 
 def _app(cfg: DictConfig) -> None:

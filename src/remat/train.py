@@ -33,6 +33,7 @@ from remat.models.checks import (
     check_lora_supported,
     check_model_fits_data,
     check_monitor,
+    check_optimizer_settings,
 )
 from remat.planner import InfeasibleBudget, PlanInputError, PlanMismatch
 from remat.planner.run import plan_for_run, resumed_replay
@@ -112,6 +113,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 check_model_fits_data(model, datamodule, hydra_choice("model"),
                                       hydra_choice("data"))
                 check_monitor(cfg, model)
+                check_optimizer_settings(model)
                 if ckpt is not None:
                     check_checkpoint_fits(model, ckpt, ckpt_path)
                     del ckpt  # Lightning reads the file again in fit, with the optimizer state

@@ -352,6 +352,25 @@ def check_monitor(cfg: Any, model: Any) -> None:
         f"{'min' if best == 'val/loss' else 'max'}")
 
 
+def check_optimizer_settings(model: Any) -> None:
+    """Build the model's optimizer once over a stand-in parameter, before Lightning starts:
+    a bad setting (``model.optimizer.lr=abc``, ``lr=-1``) failed inside Lightning's
+    ``configure_optimizers`` with the optimizer's own traceback.
+
+    Raises:
+        ValueError: names ``model.optimizer`` and the optimizer's message.
+    """
+    factory = getattr(model, "optimizer_factory", None)
+    if not callable(factory):
+        return
+    try:
+        factory(params=[torch.nn.Parameter(torch.zeros(1))])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"model.optimizer: {type(err).__name__}: {err}") from err
+    except Exception:  # noqa: BLE001 - e.g. an optimizer that wants CUDA tensors: its own
+        return  # check, with the real parameters, in configure_optimizers
+
+
 def check_lora_supported(model_cfg: Any) -> None:
     """Refuse ``model.lora`` for a model class that does not train LoRA adapters (its
     ``__init__`` takes no ``lora``), before it is built.

@@ -36,9 +36,9 @@ from remat.prediction import (
     VolumeMaskWriter,
     check_inputs,
     check_output,
-    stale_files,
     list_inputs,
     mask_format,
+    stale_files,
 )
 from remat.run_config import apply_run_config, run_config_path, run_group_args
 

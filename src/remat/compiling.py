@@ -153,8 +153,9 @@ def refuse_random_ops_recomputed(net: torch.nn.Module, budget: float | None, key
         raise ValueError(f"{key}={budget:g} with modules that draw random numbers ({shown}): "
                          "torch's partitioner may recompute them in the backward with other "
                          "numbers, so gradients would be wrong (pytorch/pytorch#190758); set "
-                         f"their probability to 0, or leave {key} at null and let the "
-                         "strategy's plan recompute")
+                         "their probability to 0 (model.dropout=0.0 for remat's GPT, "
+                         "model.net.drop_path_rate=0.0 for its ViT, or your net's own keys), or "
+                         f"leave {key} at null and let the strategy's plan recompute")
 
 
 def training_options(options: Any) -> dict[str, Any]:

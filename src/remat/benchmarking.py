@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat import run_shape
-from remat.compiling import RowBackend, compile_row
+from remat.compiling import RowBackend, check_partitioner_budget, compile_row
 from remat.measure import (
     TOLERANCES,
     DeviceSlot,
@@ -45,7 +45,6 @@ from remat.strategies import (
     StageError,
     build_strategy,
 )
-from remat.strategies.references import TorchCompileMemoryBudget
 
 PEAK_METHODS = {"allocator": "cuda allocator", "memtracker": "MemTracker",
                 "profiler": "torch.profiler"}
@@ -465,8 +464,8 @@ def build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
         partitioner = overrides.pop("compile_memory_budget", None)
         if partitioner is not None:
             strategies[label] = build_strategies([{"name": name, **overrides}]).popitem()[1]
-            strategies[label].activation_memory_budget = TorchCompileMemoryBudget(
-                partitioner).activation_memory_budget
+            strategies[label].activation_memory_budget = check_partitioner_budget(
+                partitioner, f"bench: {label}: compile_memory_budget")
             continue
         if name in COMPILED_REFERENCES:
             strategies[label] = COMPILED_REFERENCES[name](**overrides)

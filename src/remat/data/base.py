@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
@@ -52,6 +52,17 @@ def check_limits(**limits: int | None) -> None:
             raise ValueError(f"data.{name} must be a positive int or None, got {value!r}")
 
 
+def check_count(name: str, value: Any, least: int = 1) -> None:
+    """Check a whole-number setting (``batch_size``, ``num_workers``, ``num_train``).
+
+    Raises:
+        ValueError: a bool, a non-integer or a value below ``least``; names ``data.<name>``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        kind = "a positive int" if least == 1 else f"an int >= {least}"
+        raise ValueError(f"data.{name} must be {kind}, got {value!r}")
+
+
 class SplitDataModule(L.LightningDataModule):
     """Train/val(/test) datamodule base: subclasses build ``train_set`` and ``val_set`` (and
     optionally ``test_set``) in ``setup``; the loaders come from
@@ -69,14 +80,10 @@ class SplitDataModule(L.LightningDataModule):
     def __init__(self, batch_size: int, num_workers: int, pin_memory: bool,
                  loader_seed: int, eval_batch_size: int | None = None) -> None:
         super().__init__()
-        for name, value, least in (("batch_size", batch_size, 1),
-                                   ("eval_batch_size", eval_batch_size, 1),
-                                   ("num_workers", num_workers, 0)):
-            if name == "eval_batch_size" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                kind = "a positive int" if least else "an int >= 0"
-                raise ValueError(f"data.{name} must be {kind}, got {value!r}")
+        check_count("batch_size", batch_size)
+        if eval_batch_size is not None:
+            check_count("eval_batch_size", eval_batch_size)
+        check_count("num_workers", num_workers, least=0)
         self.batch_size = batch_size
         self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
         self.num_workers = num_workers

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import Dataset
 
-from remat.data.base import SplitDataModule
+from remat.data.base import SplitDataModule, check_count
 from remat.data.sizes import as_pair
 from remat.data.transforms import normalize
 
@@ -195,9 +195,8 @@ class SyntheticSegDataModule(SplitDataModule):
     ) -> None:
         super().__init__(batch_size, num_workers, pin_memory, loader_seed=seed)
         self.image_size = as_pair(image_size, "data.image_size")
-        for key, value in (("num_train", num_train), ("num_val", num_val)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"data.{key} must be a positive int, got {value!r}")
+        check_count("num_train", num_train)
+        check_count("num_val", num_val)
         self.num_train = num_train
         self.num_val = num_val
         self.seed = seed

@@ -439,6 +439,10 @@ def test_compile_options_without_compile_are_ignored_with_a_warning(tmp_path, ca
      r"compile_memory_budget must be a number in \[0, 1\].*got 1.5"),
     (["compile_memory_budget=half"],  # checked with compile=false too (then ignored)
      r"compile_memory_budget must be a number in \[0, 1\].*got 'half'"),
+    # Lightning's own messages came through Hydra's instantiate, naming only "trainer"
+    (["monitor_mode=up"], r"monitor_mode must be min or max.*got 'up'"),
+    (["trainer.max_epochs=-5"], r"trainer.max_epochs must be an integer >= -1.*got -5"),
+    (["trainer.max_steps=abc"], r"trainer.max_steps must be an integer >= -1.*got 'abc'"),
 ])
 def test_bad_compile_settings_name_the_key(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -37,11 +37,14 @@ def config_dir() -> Path:
 
 
 def check_top_level(cfg: DictConfig) -> None:
-    """Validate ``seed``, ``precision``, ``accumulate_grad_batches``, ``compile`` and
-    ``compile_options`` before anything is built.
+    """Validate ``seed``, ``precision``, ``accumulate_grad_batches``, ``monitor_mode``,
+    ``trainer.max_epochs`` / ``max_steps``, ``compile`` and ``compile_options`` before
+    anything is built.
 
     Raises:
-        ValueError: ``seed`` not an integer (or null); precision not one of
+        ValueError: ``seed`` not an integer (or null); ``monitor_mode`` not min or max;
+            ``trainer.max_epochs`` / ``max_steps`` not an integer >= -1 (-1: no limit, as
+            Lightning reads it); precision not one of
             :data:`PRECISIONS`; ``accumulate_grad_batches`` not an int >= 1;
             ``16-mixed`` asked for without a CUDA device; ``compile`` not a boolean, or
             true with ``strategy=compile`` (which compiles its stages itself); bad
@@ -50,6 +53,16 @@ def check_top_level(cfg: DictConfig) -> None:
     seed = cfg.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an integer (or null for a random seed), got {seed!r}")
+    mode = cfg.get("monitor_mode", "max")
+    if mode not in ("min", "max"):
+        raise ValueError(f"monitor_mode must be min or max (the best checkpoint's direction), "
+                         f"got {mode!r}")
+    for key in ("max_epochs", "max_steps"):
+        value = cfg.get("trainer", {}).get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < -1):
+            raise ValueError(f"trainer.{key} must be an integer >= -1 (-1: no limit), got "
+                             f"{value!r}")
     accelerator = str(cfg.get("trainer", {}).get("accelerator", "auto"))
     check_precision(cfg.get("precision"), accelerator)
     acc = cfg.get("accumulate_grad_batches")

@@ -466,6 +466,43 @@ def test_a_block_that_writes_through_a_view_an_earlier_block_made_computes_none_
         assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
 
 
+class _MulInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((1, 4, 1, 1), 1.5))
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        x.mul_(self.scale)  # in place on its input, inside a segment of several blocks
+        return self.conv(torch.tanh(x))
+
+
+@pytest.mark.parametrize("kwargs", [{"segments": "sqrtn"}, {"segments": "full"}, {}])
+def test_offload_segments_whose_blocks_write_their_inputs_compute_none_s_function(kwargs):
+    """On a machine without CUDA offload keeps a segment's inputs where they are (host
+    memory already), but marked them as copies: a later block's in-place write reached the
+    kept input unseen (gradients off by 0.074 on a user's chain, silently)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(4, 4, 1), _AddPosSmall(), _MulInput(), nn.Conv2d(4, 4, 1),
+                         _MulInput(), _StrideView(), _WriteThroughView(), nn.Conv2d(4, 4, 1))
+    x = torch.randn(2, 4, 8, 8)
+    reference = _steps(copy.deepcopy(base), x)
+    build_strategy("offload", **kwargs).apply(base, [""])
+    for got, ref in zip(_steps(base, x), reference, strict=True):
+        assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
+
+
+class _AddPosSmall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 4, 1, 1) * 0.1)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        x += self.pos
+        return self.conv(torch.relu(x))
+
+
 class _Segments(SelectiveCheckpoint):
     def __init__(self, bounds: list[tuple[int, int]]) -> None:
         super().__init__()

@@ -99,9 +99,12 @@ class HostOffload:
             return False
         return not is_weight(t, self.buffers)
 
-    def pack(self, t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+    def pack(self, t: torch.Tensor) -> torch.Tensor | tuple[torch.device, torch.Tensor]:
+        """``t`` itself where it stays (a weight, or already in host memory: the caller
+        then holds the very tensor, and sees in-place writes to it), else ``(device,
+        host copy)``."""
         if not self.moves(t):
-            return None, t
+            return t
         if self.host == "meta":
             if not _compat.is_fake(t):
                 raise ValueError("HostOffload(host='meta') is for fake traces only; a real "
@@ -112,9 +115,11 @@ class HostOffload:
         host.copy_(t)
         return t.device, host
 
-    def unpack(self, packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor | tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
         device, t = packed
-        return t if device is None else t.to(device, non_blocking=self.pin_memory)
+        return t.to(device, non_blocking=self.pin_memory)
 
 
 class OffloadCheckpoint(RecomputeStrategy):

@@ -667,10 +667,11 @@ class Region:
             return ("e", hit[1])
         tape = self.tape
         index = len(tape.externals)
-        if self._pack is not None:
-            tape.externals.append(self._pack(t))
+        packed = self._pack(t) if self._pack is not None else t
+        if packed is not t:
+            tape.externals.append(packed)
             tape.versions.append(None)  # a copy: later in-place changes do not reach it
-        else:
+        else:  # kept as it is (offload: a tensor already in host memory stays itself)
             tape.externals.append(t)
             tape.versions.append(_compat.tensor_version(t))
         self._externals[id(t)] = (weakref.ref(t), index)
@@ -705,7 +706,7 @@ class Region:
         # unit that did): copied before the write. Entered below the strategy's own modes,
         # so a selective region's cache does not see the copy.
         writes: Any = contextlib.nullcontext()
-        if self._pack is None and (not wrap.state.learned or wrap.state.writes_inputs):
+        if not wrap.state.learned or wrap.state.writes_inputs:
             # every kept input of the region, not only this call's: a block may write one
             # through a view an earlier block of the segment made (x[:, ::1], then add_)
             watch = _InputWrites(self.tape, range(len(self.tape.externals)))

@@ -148,3 +148,14 @@ class AddPosNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.stem(x)))
+
+
+def layer_chain(in_channels: int = 3, out_channels: int = 1, width: int = 8,
+                depth: int = 3) -> nn.Sequential:
+    """A network that is one ``nn.Sequential`` of lone layers (conv, BatchNorm, in-place
+    ReLU, ..., a 1x1 head): ``[B, in_channels, H, W]`` -> ``[B, out_channels, H, W]``."""
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers += [nn.Conv2d(in_channels if i == 0 else width, width, 3, padding=1),
+                   nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+    return nn.Sequential(*layers, nn.Conv2d(width, out_channels, 1))

@@ -69,6 +69,23 @@ def test_budget_plans_a_net_given_by_target(tmp_path, net):
     assert abs(plan["measured_over_predicted"] - 1) <= 0.03
 
 
+def test_budget_plans_a_net_that_is_one_sequential_of_layers(tmp_path):
+    """No chain or block inside it: the planner refused it ("no unit the planner can
+    wrap") though model.stages=auto takes the net itself and sqrtn trains it; the net is
+    now the planner's chain (and strategy.units=[""] named a '.0' path)."""
+    net = ["model=custom", "model.net._target_=tests.models.nets.layer_chain"]
+    none = estimate(compose_config("estimate", tmp_path / "est",
+                                   [*net, *SGD, "data.image_size=64", "data.batch_size=4",
+                                    "device=cpu"])).peak_bytes
+    summary = train(compose_train(tmp_path / "run", [
+        *TINY, *net, *SGD, "strategy=budget", f"strategy.memory={int(0.97 * none)}",
+        "strategy.device=cpu", "strategy.max_traces=2", "strategy.margin=0.0"]))
+    plan = summary["plan"]
+    assert summary["status"] == "completed" and [u["path"] for u in plan["units"]] == [""]
+    assert any(s["mode"] == "recompute" for s in plan["units"][0]["segments"])
+    assert abs(plan["measured_over_predicted"] - 1) <= 0.03
+
+
 def test_budget_plans_a_chain_of_blocks_that_write_their_input(tmp_path):
     """Blocks with parameters that write their input in place (``x += self.pos``) keep a
     copy of it when recomputed, and the planner counts the copy: it answered "no plan fits"

@@ -167,10 +167,11 @@ class Plan:
         return cls.from_dict(data, f"strategy.path={str(path)!r}")
 
     def summary(self) -> str:
-        """One line per changed unit, e.g. ``decoder.blocks: keep 0, recompute 1-4``."""
+        """One line per changed unit, e.g. ``decoder.blocks: keep 0, recompute 1-4`` (a
+        network that is itself the chain: ``(the network): ...``)."""
         from remat.planner.search import Option, describe
 
-        lines = [f"{u.path}: {describe(Option(0, 0, 0.0, 0, u.segments))}"
+        lines = [f"{u.path or '(the network)'}: {describe(Option(0, 0, 0.0, 0, u.segments))}"
                  for u in self.units if u.changed]
         return "\n".join(lines) if lines else "(keep everything)"
 

@@ -140,7 +140,7 @@ def find_candidates(net: nn.Module, paths: Sequence[str] | None = None) -> list[
         remat.strategies.StageError: a path matches nothing.
         ValueError: the network has no unit (no chain and no module with children).
     """
-    from remat.strategies.stages import StageError, resolve_stages
+    from remat.strategies.stages import StageError, child_path, resolve_stages
 
     if paths:
         try:
@@ -152,12 +152,14 @@ def find_candidates(net: nn.Module, paths: Sequence[str] | None = None) -> list[
 
         named = dict(net.named_modules())
         found = [(name, named[name]) for name in discover_units(net)]
+        if not found and isinstance(net, CHAIN_TYPES) and len(net) > 1:
+            found = [("", net)]  # an nn.Sequential of lone layers: the net is the chain
     units = []
     for name, module in found:
         if isinstance(module, CHAIN_TYPES):
             members = chain_members(module)
-            units.append(Unit(name, "chain", [f"{name}.{n}" for n, _ in members],
-                              tuple(f"{name}.{n}" for n, m in members
+            units.append(Unit(name, "chain", [child_path(name, n) for n, _ in members],
+                              tuple(child_path(name, n) for n, m in members
                                     if isinstance(m, CHAIN_TYPES))))
         else:
             units.append(Unit(name, "module", [name]))

@@ -435,6 +435,15 @@ def test_blocks_with_parameters_that_write_their_input_keep_a_copy_not_a_join():
     assert peaks["full"] < peaks["none"], peaks
 
 
+def _exactly_none_s_function(base: nn.Module, x: torch.Tensor, apply) -> None:
+    """Three steps of ``base`` after ``apply(base)`` give a copy's (unwrapped) outputs,
+    gradients and state bit for bit."""
+    reference = _steps(copy.deepcopy(base), x)
+    apply(base)
+    for got, ref in zip(_steps(base, x), reference, strict=True):
+        assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
+
+
 class _StrideView(nn.Module):
     def forward(self, x):
         return x[:, :, ::1]  # a view of its input: no copy
@@ -460,10 +469,7 @@ def test_a_block_that_writes_through_a_view_an_earlier_block_made_computes_none_
     base = nn.Sequential(nn.Conv2d(4, 4, 1), _StrideView(), _WriteThroughView(),
                          nn.Conv2d(4, 4, 1), _StrideView(), _WriteThroughView())
     x = torch.randn(2, 4, 8, 8)
-    reference = _steps(copy.deepcopy(base), x)
-    build_strategy(name).apply(base, [""])
-    for got, ref in zip(_steps(base, x), reference, strict=True):
-        assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
+    _exactly_none_s_function(base, x, lambda net: build_strategy(name).apply(net, [""]))
 
 
 class _MulInput(nn.Module):
@@ -486,10 +492,8 @@ def test_offload_segments_whose_blocks_write_their_inputs_compute_none_s_functio
     base = nn.Sequential(nn.Conv2d(4, 4, 1), _AddPosSmall(), _MulInput(), nn.Conv2d(4, 4, 1),
                          _MulInput(), _StrideView(), _WriteThroughView(), nn.Conv2d(4, 4, 1))
     x = torch.randn(2, 4, 8, 8)
-    reference = _steps(copy.deepcopy(base), x)
-    build_strategy("offload", **kwargs).apply(base, [""])
-    for got, ref in zip(_steps(base, x), reference, strict=True):
-        assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
+    _exactly_none_s_function(
+        base, x, lambda net: build_strategy("offload", **kwargs).apply(net, [""]))
 
 
 class _AddPosSmall(nn.Module):
@@ -523,10 +527,7 @@ def test_selective_segments_of_several_blocks_compute_none_s_function(bounds):
                          nn.Sequential(nn.Hardswish(), nn.Conv2d(8, 8, 3, padding=1)),
                          nn.Sequential(nn.SiLU(), nn.Conv2d(8, 1, 1)))
     x = torch.randn(2, 3, 16, 16)
-    reference = _steps(copy.deepcopy(base), x)
-    _Segments(bounds).apply(base, [""])
-    for got, ref in zip(_steps(base, x), reference, strict=True):
-        assert_same_function(got, ref, rtol=0, atol=0, exact_output=True)
+    _exactly_none_s_function(base, x, lambda net: _Segments(bounds).apply(net, [""]))
 
 
 # --- autocast -------------------------------------------------------------------------

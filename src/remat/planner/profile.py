@@ -72,8 +72,8 @@ class BlockCost:
         inputs: storage key -> bytes of the tensors it is called with.
         outputs: storage key -> bytes of the tensors it returns.
         mutated: storage key -> bytes of its inputs its own ops write in place (an
-            ``nn.ReLU(inplace=True)`` member of a chain): a recompute segment that starts
-            at it would replay on the values it overwrote, so none may.
+            ``nn.ReLU(inplace=True)`` member of a chain, ``x += self.pos``): a recompute
+            segment keeps a copy of such an input, or joins the one before it (below).
         parameters: whether the block has parameters of its own: a segment starting at a
             parameterless writer joins the one before it at run time; any other writer's
             segment keeps a copy of what it writes (:func:`remat.planner.search.replayable`).

@@ -107,7 +107,7 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
     inputs = _segment_inputs(blocks, start, end)
     if mode != "offload":  # the checkpoint keeps the copy in place of the written input,
         # whose storage lives on only where something else holds it (another key)
-        copied = _copied(blocks, start, end)
+        copied = _copied(blocks[start:end], inputs)
         inputs = {(("copy", k) if k in copied else k): v for k, v in inputs.items()}
     if mode == "selective":
         b = blocks[start]
@@ -128,12 +128,11 @@ def segment_keys(blocks: Sequence[Block], start: int, end: int, mode: str
     return inputs, _bytes(internal), time, flops
 
 
-def _copied(blocks: Sequence[Block], start: int, end: int) -> dict:
-    """Storage key -> bytes of the inputs of segment ``[start, end)`` that its blocks write
-    in place: remat's recompute keeps a copy of each, taken just before the write, in
-    place of the input (the replay starts from it)."""
-    inputs = _segment_inputs(blocks, start, end)
-    return {k: inputs[k] for b in blocks[start:end] for k in b.mutated if k in inputs}
+def _copied(segment: Sequence[Block], inputs: dict) -> dict:
+    """Storage key -> bytes of the segment's ``inputs`` (:func:`_segment_inputs`) that its
+    blocks write in place: remat's recompute keeps a copy of each, taken just before the
+    write, in place of the input (the replay starts from it)."""
+    return {k: inputs[k] for b in segment for k in b.mutated if k in inputs}
 
 
 def replayable(blocks: Sequence[Block], start: int, end: int, mode: str) -> bool:
@@ -145,7 +144,7 @@ def replayable(blocks: Sequence[Block], start: int, end: int, mode: str) -> bool
         return True
     inputs = _segment_inputs(blocks, start, end)
     if mode == "offload":
-        return not any(k in inputs for b in blocks[start:end] for k in b.mutated)
+        return not _copied(blocks[start:end], inputs)
     first = blocks[start]
     return first.parameters or not any(k in inputs for k in first.mutated)
 

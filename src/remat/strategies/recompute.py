@@ -70,7 +70,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -447,21 +447,21 @@ def storage_key(t: Any) -> tuple | None:
 class _InputWrites(_compat.TorchDispatchMode):
     """Over one call of a region: copy each kept input (a tape external) just before an op
     first writes into its storage, and put the copy on the tape, so the replay starts from
-    the values the call was given (module docstring).
+    the values the region was given (module docstring). Every kept input of the region is
+    watched, not only the call's own: a call may write one through a view an earlier call
+    made (``x[:, :, ::1]``, then ``add_``); views of one storage are all copied when any
+    of them is written.
 
     Args:
         tape: the region's tape.
-        indices: the tape externals to watch: all of the region's kept inputs, since a
-            call may write one through a view an earlier call made (views of one storage
-            are all copied when any of them is written).
     """
 
-    def __init__(self, tape: _Tape, indices: Sequence[int]) -> None:
+    def __init__(self, tape: _Tape) -> None:
         super().__init__()
         self.tape = tape
         self.watched: dict[tuple, list[int]] = {}
-        for i in dict.fromkeys(indices):
-            key = storage_key(tape.externals[i])
+        for i, kept in enumerate(tape.externals):
+            key = storage_key(kept)
             if key is not None:
                 self.watched.setdefault(key, []).append(i)
         self.copied: dict[int, torch.Tensor] = {}  # external index -> the tensor copied
@@ -707,9 +707,7 @@ class Region:
         # so a selective region's cache does not see the copy.
         writes: Any = contextlib.nullcontext()
         if not wrap.state.learned or wrap.state.writes_inputs:
-            # every kept input of the region, not only this call's: a block may write one
-            # through a view an earlier block of the segment made (x[:, ::1], then add_)
-            watch = _InputWrites(self.tape, range(len(self.tape.externals)))
+            watch = _InputWrites(self.tape)
             writes = watch if watch.watched else writes
         note_inputs = getattr(self.forward_ctx, "note_inputs", None)
         if note_inputs is not None:  # selective: in-place ops on them run again

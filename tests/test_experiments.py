@@ -81,6 +81,18 @@ def test_experiment_composes_and_pins_its_recipe(tmp_path, name):
     _check_references(cfg, name, names)
 
 
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_passes_the_top_level_checks(tmp_path, name):
+    """Alone and with FSDP's trainer keys: the 3D recipes set ``trainer.precision: bf16-mixed``
+    while the top-level key (the estimate's, the plan's and the report's) said 32-true."""
+    from remat.config import check_top_level
+
+    for trainer in ("default", "fsdp"):
+        cfg = compose_train(tmp_path, [f"experiment={name}", f"trainer={trainer}"])
+        check_top_level(cfg)
+        assert str(cfg.trainer.precision) == str(cfg.precision)
+
+
 def test_published_results_state_pretraining_and_hardware():
     for name in ("kvasir_unet", "loveda_deeplabv3plus", "drive_unet"):
         cfg = OmegaConf.load(config_dir() / "experiment"

@@ -443,6 +443,14 @@ def test_compile_options_without_compile_are_ignored_with_a_warning(tmp_path, ca
     (["monitor_mode=up"], r"monitor_mode must be min or max.*got 'up'"),
     (["trainer.max_epochs=-5"], r"trainer.max_epochs must be an integer >= -1.*got -5"),
     (["trainer.max_steps=abc"], r"trainer.max_steps must be an integer >= -1.*got 'abc'"),
+    # Lightning ran no batch and the summary said "completed"
+    (["trainer.max_steps=0"], r"trainer.max_steps=0 trains nothing"),
+    # trained fp64 while the estimate and the summary's report said 32-true
+    (["trainer.precision=64"], r"trainer.precision=64 differs from precision='32-true'"),
+    (["trainer.accumulate_grad_batches=4"],
+     r"trainer.accumulate_grad_batches=4 differs from accumulate_grad_batches=1"),
+    (["+trainer.max_step=5"], r"trainer.max_step \(did you mean max_steps.*not an argument "
+                              r"of lightning.Trainer"),
 ])
 def test_bad_compile_settings_name_the_key(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import secrets
@@ -44,7 +45,9 @@ def check_top_level(cfg: DictConfig) -> None:
     Raises:
         ValueError: ``seed`` not an integer (or null); ``monitor_mode`` not min or max;
             ``trainer.max_epochs`` / ``max_steps`` not an integer >= -1 (-1: no limit, as
-            Lightning reads it); precision not one of
+            Lightning reads it), or 0 (no training at all); ``trainer.precision`` or
+            ``trainer.accumulate_grad_batches`` set apart from the top-level key; a
+            ``trainer`` key ``lightning.Trainer`` does not take; precision not one of
             :data:`PRECISIONS`; ``accumulate_grad_batches`` not an int >= 1;
             ``16-mixed`` asked for without a CUDA device; ``compile`` not a boolean, or
             true with ``strategy=compile`` (which compiles its stages itself); bad
@@ -63,8 +66,21 @@ def check_top_level(cfg: DictConfig) -> None:
                                   or value < -1):
             raise ValueError(f"trainer.{key} must be an integer >= -1 (-1: no limit), got "
                              f"{value!r}")
+        if value == 0:  # Lightning stops before the first batch and calls the run complete
+            raise ValueError(f"trainer.{key}=0 trains nothing: give a positive number, or -1 "
+                             "for no limit")
     accelerator = str(cfg.get("trainer", {}).get("accelerator", "auto"))
     check_precision(cfg.get("precision"), accelerator)
+    for key, example in (("precision", " | ".join(PRECISIONS)),
+                         ("accumulate_grad_batches", "batches per optimizer step")):
+        own = cfg.get("trainer", {}).get(key)
+        if own is not None and str(own) != str(cfg.get(key)):
+            # Lightning would train with trainer.<key> while the estimate, the plan and the
+            # report read the top-level key
+            raise ValueError(f"trainer.{key}={own!r} differs from {key}={cfg.get(key)!r}: "
+                             f"set the top-level key, {key}=<{example}> (trainer.{key} "
+                             "follows it)")
+    _check_trainer_keys(cfg.get("trainer"))
     acc = cfg.get("accumulate_grad_batches")
     if isinstance(acc, bool) or not isinstance(acc, int) or acc < 1:
         raise ValueError(
@@ -92,6 +108,27 @@ def check_top_level(cfg: DictConfig) -> None:
             if cfg.get(key) is not None:
                 log.warning("%s is ignored: compile=false (set compile=true to compile the "
                             "network with it)", key)
+
+
+def _check_trainer_keys(trainer: Any) -> None:
+    """Refuse a ``trainer.<key>`` that ``lightning.Trainer`` does not take (Hydra's
+    instantiate error named only ``trainer``), with the closest names it does take."""
+    if not isinstance(trainer, DictConfig) or trainer.get("_target_") not in (
+            "lightning.Trainer", "lightning.pytorch.Trainer"):
+        return
+    import inspect
+
+    import lightning
+
+    taken = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+    unknown = sorted(str(k) for k in trainer.keys() if not str(k).startswith("_")
+                     and str(k) not in taken)
+    if unknown:
+        near = {k: difflib.get_close_matches(k, sorted(taken), n=2) for k in unknown}
+        hints = "; ".join(f"trainer.{k}" + (f" (did you mean {', '.join(v)}?)" if v else "")
+                          for k, v in near.items())
+        raise ValueError(f"{hints}: not an argument of lightning.Trainer (see "
+                         "https://lightning.ai/docs/pytorch/stable/common/trainer.html)")
 
 
 def per_step_batch(effective: int, accumulation: int) -> int:

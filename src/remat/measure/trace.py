@@ -354,6 +354,9 @@ def _fake_mode() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor",
                                 category=UserWarning)
+        # the traced step's in-place joins: the real run says so itself, once
+        warnings.filterwarnings("ignore", message=r"remat: '.*' writes its input in place",
+                                category=UserWarning)
         with FakeTensorMode(), hf_causal_masks_as_real():
             yield
 

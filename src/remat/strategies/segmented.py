@@ -73,6 +73,7 @@ class RecomputeStrategy(CheckpointStrategy):
             members = chain_members(module)
             bounds = self.segments_for(len(members))
             plan = ChainPlan(path, bounds, joins=True)
+            plan.join_declared_writers([member for _, member in members])
             for name, member, indices in wrapping.distinct_members(members):
                 wrapping.install(member, wrapping.Wrap(
                     self, child_path(path, name), self.run, chain=plan, index=indices[0],

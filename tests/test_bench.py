@@ -389,6 +389,31 @@ def test_hf_reference_row_is_hfs_own_checkpointing_and_remove_undoes_it():
         strategy.apply(module.net, ["model.embed_tokens"])
 
 
+def test_hf_every_n_layers_checkpoints_every_nth_layer_and_a_plan_meets_its_point(tmp_path):
+    """Hugging Face's ``every_n_layers=2`` (layers 0 and 2 of 4 recomputed, 1 and 3 keep
+    their activations): gradients as ``none``'s, a peak between ``full``'s and ``none``'s;
+    the plan for that row's training-step peak peaks no higher and recomputes no more."""
+    module = _llama_module(4)
+    report = HFGradientCheckpointing(every_n_layers=2).apply(module.net, ["model.layers"])
+    assert report.wrapped == ["model.layers.0", "model.layers.2"]
+    assert report.segments == {"model.layers": [(0, 1), (2, 3)]}
+    assert [layer.gradient_checkpointing for layer in module.net.model.layers] == [
+        True, False, True, False]
+    with pytest.raises(ValueError, match="every_n_layers must be an integer >= 1, got 0"):
+        HFGradientCheckpointing(every_n_layers=0)
+    every = "hf_gradient_checkpointing(every_n_layers=2)"
+    cfg = compose_config("bench", tmp_path, [
+        *HF_LLAMA_TINY, "model.net.config.num_hidden_layers=4", "data.block_size=256",
+        "strategies=[none,full,{name: hf_gradient_checkpointing, every_n_layers: 2},"
+        f"{{name: budget, at: '{every}'}}]"])
+    rows = {r["strategy"]: r for r in bench(cfg)["rows"]}
+    assert all(r["grads_match"] for r in rows.values())
+    assert rows["full"]["peak_bytes"] < rows[every]["peak_bytes"] < rows["none"]["peak_bytes"]
+    plan = rows[f"budget(at={every})"]
+    assert plan["peak_bytes"] <= rows[every]["peak_bytes"]
+    assert plan["flops"] <= rows[every]["flops"]
+
+
 def test_hf_reference_row_matches_gradients_and_saves_memory():
     base = _llama_module(4)
     batch = base.example_batch(2, 64, torch.Generator().manual_seed(0))

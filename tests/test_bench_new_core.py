@@ -1,12 +1,5 @@
-"""Bench checks that need the lead's new strategy core (issue 10): segment strategies on
-Hugging Face layers (keyword arguments) and remat strategies under ``torch.compile``.
-
-Not collected by the default run (the file name does not start with ``test_``): both fail on
-today's core (``sqrtn`` refuses ModuleList segments called with extra arguments; dynamo
-fails on the ``context_fn`` closure). Run them explicitly:
-``python -m pytest tests/needs_new_core_bench.py``; rename the file to ``test_...`` once the
-core lands.
-"""
+"""Bench rows on Hugging Face layers (segment strategies called with keyword arguments)
+and remat strategies under ``torch.compile``."""
 
 from __future__ import annotations
 

@@ -93,6 +93,19 @@ def test_experiment_passes_the_top_level_checks(tmp_path, name):
         assert str(cfg.trainer.precision) == str(cfg.precision)
 
 
+@pytest.mark.parametrize("entry", ["plan", "estimate"])
+def test_plan_and_estimate_take_a_recipe_as_train_does(tmp_path, entry):
+    """``experiment=`` without ``+`` (Hydra refused it: "No match in the defaults list"),
+    with the recipe's data, model and precision."""
+    from tests.helpers import compose_config
+
+    cfg = compose_config(entry, tmp_path, ["experiment=msd_spleen_unet3d"])
+    assert cfg.precision == "bf16-mixed"
+    assert cfg.model._target_ == compose_train(
+        tmp_path, ["experiment=msd_spleen_unet3d"]).model._target_
+    assert cfg.data.patch_size == [96, 96, 96]
+
+
 def test_published_results_state_pretraining_and_hardware():
     for name in ("kvasir_unet", "loveda_deeplabv3plus", "drive_unet"):
         cfg = OmegaConf.load(config_dir() / "experiment"

@@ -470,6 +470,13 @@ def build_strategies(specs: Iterable[Any]) -> dict[str, CheckpointStrategy]:
         if name in COMPILED_REFERENCES:
             strategies[label] = COMPILED_REFERENCES[name](**overrides)
             continue
+        if name in REFERENCES and overrides:  # e.g. {name: hf_gradient_checkpointing,
+            try:                              # every_n_layers: 2}; bare names come anyway
+                strategies[label] = REFERENCES[name](**overrides)
+            except TypeError as err:
+                raise ValueError(f"bench: reference {name} does not take "
+                                 f"{sorted(overrides)}: {err}") from err
+            continue
         if name == "budget":  # planned per size in bench() (remat.planner)
             try:
                 strategies[label] = (BudgetAtRow(**overrides) if "at" in overrides

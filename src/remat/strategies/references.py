@@ -12,6 +12,7 @@ No Lightning here.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Iterable
 
@@ -98,12 +99,27 @@ class HFGradientCheckpointing(CheckpointStrategy):
     (``activation_checkpointing_disable``) and removes the input-embedding hook that
     enabling added.
 
+    Args:
+        every_n_layers: Hugging Face's ``every_n_layers`` (transformers 5.x releases that
+            have it, huggingface/transformers#48200): only layers ``0, n, 2n, ...`` of the
+            model's ``GradientCheckpointingLayer`` s are checkpointed, the others keep their
+            activations. 1 (every layer) is what every release does.
+
     Raises:
+        ValueError: ``every_n_layers`` not an integer >= 1.
         StageError: no ``PreTrainedModel`` holds a stage, or the model does not support
-            gradient checkpointing, or the stage holds none of its checkpointed layers.
+            gradient checkpointing, or the stage holds none of its checkpointed layers, or
+            ``every_n_layers`` > 1 with a transformers release that does not take it.
     """
 
     name = "hf_gradient_checkpointing"
+
+    def __init__(self, every_n_layers: int = 1) -> None:
+        if (isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int)
+                or every_n_layers < 1):
+            raise ValueError(f"{self.name}: every_n_layers must be an integer >= 1, got "
+                             f"{every_n_layers!r}")
+        self.every_n_layers = every_n_layers
 
     def apply(self, model: torch.nn.Module, stages: Iterable[str]) -> StrategyReport:
         resolved = resolve_stages(model, stages)
@@ -123,12 +139,23 @@ class HFGradientCheckpointing(CheckpointStrategy):
                                  "checkpoints (GradientCheckpointingLayer); list the layer "
                                  "chain, e.g. model.layers or transformer.h")
             owners[id(hf_model)] = (prefix, hf_model)
+        every = {"every_n_layers": self.every_n_layers} if self.every_n_layers > 1 else {}
+        for _, hf_model in owners.values():
+            enable = getattr(hf_model, "activation_checkpointing_enable", None) or \
+                hf_model.gradient_checkpointing_enable
+            if every and "every_n_layers" not in inspect.signature(enable).parameters:
+                import transformers
+
+                raise StageError(f"{self.name}: every_n_layers={self.every_n_layers} needs a "
+                                 "transformers release that takes it (huggingface/"
+                                 f"transformers#48200); this one is {transformers.__version__}")
         wrapping.unwrap_all(model)  # replaces any strategy applied before, as every one does
         for prefix, hf_model in owners.values():
             wrapping.install(hf_model, wrapping.Wrap(self, prefix))  # undone by undo()
             kwargs = {"use_reentrant": False}
             if hasattr(hf_model, "activation_checkpointing_enable"):
-                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
+                                                         **every)
             else:  # transformers 4.35 - 4.x
                 hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             for name, child in hf_model.named_modules():

@@ -370,6 +370,22 @@ def test_resume_from_an_epoch_end_with_another_batch_size_starts_the_next_epoch(
     assert resumed["resumed_from"] == str(tmp_path / "checkpoints" / "last.ckpt")  # not "last"
 
 
+def test_resume_from_an_epoch_end_under_limit_train_batches_counts_the_limited_epoch(
+        tmp_path, caplog):
+    """An epoch limited to 2 of the loader's 4 batches is whole: the resume says nothing of
+    an "old size" (it logged "ended after 2 batches of the old size; counted as the 4 of
+    this loader", with nothing changed between the runs) and trains one more epoch of 2."""
+    base = ["data.image_size=32", "data.num_train=16", "data.num_val=2", "data.batch_size=4",
+            "+trainer.limit_train_batches=2",
+            "model.arch_kwargs.decoder_channels=[16,16,8,8,8]", *TINY[4:]]
+    assert train(compose_train(tmp_path, base))["global_step"] == 2
+    with caplog.at_level("INFO", logger="remat"):
+        resumed = train(compose_train(tmp_path, [*base, "trainer.max_epochs=2",
+                                                 "ckpt_path=last"]))
+    assert resumed["global_step"] == 4
+    assert "of the old size" not in caplog.text
+
+
 def test_ckpt_path_last_without_a_checkpoint_is_a_new_run_said_so(tmp_path, caplog):
     """``ckpt_path=last`` where the folder holds no checkpoint starts from scratch, as
     Lightning does (a requeued job's first start), and says so; its summary recorded

@@ -378,6 +378,11 @@ class ResumeState(L.Callback):
         trainer, n = self._trainer, self._num_batches
         if trainer is None or n is None:
             return
+        limit = getattr(trainer, "limit_train_batches", 1.0)  # Lightning's rule: an int
+        if isinstance(limit, int) and not isinstance(limit, bool):  # caps the count, a
+            n = min(n, limit)                                        # fraction scales it
+        elif isinstance(limit, float) and limit < 1.0:
+            n = int(n * limit)
         progress = trainer.fit_loop.epoch_loop.batch_progress
         done = progress.current.completed
         if not progress.is_last_batch or done in (0, n):

@@ -49,6 +49,20 @@ def test_a_missing_corpus(tmp_path, capsys):
     assert "nowhere" in err and "input.txt" in err
 
 
+@pytest.mark.parametrize("setting, said", [
+    # a file dataset's size key is patch_size (Hydra's three lines named only 'data')
+    ("+data.image_size=64", "error: data.image_size: remat.data.folder.FolderSegDataModule "
+                            "takes no argument 'image_size'; did you mean data.patch_size,"),
+    ("+data.pach_size=64", "did you mean data.patch_size"),
+])
+def test_an_argument_the_target_does_not_take_is_named_with_the_closest(
+        tmp_path, capsys, setting, said):
+    write_folder(tmp_path / "d", n=3)
+    err = one_line_error(capsys, compose_train(tmp_path / "run", [
+        *TINY_TRAINER, "data=folder", f"data.root={tmp_path / 'd'}", setting]))
+    assert said in err and len(err.splitlines()) == 1
+
+
 def test_the_command_line_prints_one_line(tmp_path):
     args = [str(REPO / "train.py"), *TINY, "strategy=sqrtn", "model.stages=[]",
             f"hydra.run.dir={tmp_path / 'r'}"]

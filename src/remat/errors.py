@@ -98,6 +98,56 @@ def unimportable_target(err: BaseException) -> ImportError | None:
     return new
 
 
+_UNEXPECTED = re.compile(r"got an unexpected keyword argument '([^']+)'")
+_TARGET = re.compile(r"Error in call to target '([^']+)'")
+
+
+def unexpected_argument(err: BaseException) -> TypeError | None:
+    """One line for Hydra's three-line ``Error in call to target '<t>': TypeError(... got an
+    unexpected keyword argument 'k') full_key: <key>``: ``<key>.k`` named as the setting,
+    with the target's arguments closest to ``k`` (``data=folder data.image_size=64``:
+    did you mean data.patch_size?), or all of them; None for any other error."""
+    import difflib
+    import inspect
+
+    from hydra.errors import InstantiationException
+
+    if not isinstance(err, InstantiationException) or not isinstance(err.__cause__, TypeError):
+        return None
+    arg, target = _UNEXPECTED.search(str(err)), _TARGET.search(str(err))
+    if arg is None or target is None:
+        return None
+    key = _FULL_KEY.search(str(err))
+    setting = f"{key.group(1)}.{arg.group(1)}" if key else arg.group(1)
+    params: list[str] = []
+    try:
+        from hydra.utils import get_object
+
+        obj = get_object(target.group(1))
+        # a class passing **kwargs on takes its bases' arguments too
+        for fn in ([c.__init__ for c in obj.__mro__ if "__init__" in vars(c)]
+                   if isinstance(obj, type) else [obj]):
+            sig = inspect.signature(fn).parameters.values()
+            params += [p.name for p in sig if p.name not in params and p.name != "self"
+                       and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+            if not any(p.kind == p.VAR_KEYWORD for p in sig):
+                break
+    except (ImportError, TypeError, ValueError):
+        pass
+    prefix = f"{key.group(1)}." if key else ""
+    near = difflib.get_close_matches(arg.group(1), params, n=3, cutoff=0.5)
+    # the size key of file datasets (random crops) against synthetic data's (whole images)
+    twin = {"image_size": "patch_size", "patch_size": "image_size"}.get(arg.group(1))
+    if twin in params:
+        near = [twin, *[n for n in near if n != twin]][:3]
+    hint = (f"did you mean {', '.join(prefix + n for n in near)}?" if near
+            else f"it takes {', '.join(params)}" if params else "")
+    new = TypeError(f"{setting}: {target.group(1)} takes no argument {arg.group(1)!r}"
+                    + (f"; {hint}" if hint else ""))
+    new.__cause__ = err
+    return new
+
+
 def user_error(err: BaseException) -> BaseException | None:
     """The error to show a user for ``err`` raised while setting a run up: ``err`` itself,
     or, for Hydra's ``InstantiationException``, the error it wraps when that is a user
@@ -115,7 +165,7 @@ def user_error(err: BaseException) -> BaseException | None:
         cause = err.__cause__
         if cause is None or isinstance(cause, TypeError | ImportError):
             # Hydra's message names the _target_, the call and the config key
-            return unimportable_target(err) or err
+            return unimportable_target(err) or unexpected_argument(err) or err
         return user_error(cause)
     if isinstance(err, USER_ERRORS):
         return err

@@ -389,10 +389,9 @@ def test_hf_reference_row_is_hfs_own_checkpointing_and_remove_undoes_it():
         strategy.apply(module.net, ["model.embed_tokens"])
 
 
-def test_hf_every_n_layers_checkpoints_every_nth_layer_and_a_plan_meets_its_point(tmp_path):
-    """Hugging Face's ``every_n_layers=2`` (layers 0 and 2 of 4 recomputed, 1 and 3 keep
-    their activations): gradients as ``none``'s, a peak between ``full``'s and ``none``'s;
-    the plan for that row's training-step peak peaks no higher and recomputes no more."""
+def test_hf_every_n_layers_checkpoints_every_nth_layer():
+    """Hugging Face's ``every_n_layers=2``: layers 0 and 2 of 4 recomputed, 1 and 3 keep
+    their activations."""
     module = _llama_module(4)
     report = HFGradientCheckpointing(every_n_layers=2).apply(module.net, ["model.layers"])
     assert report.wrapped == ["model.layers.0", "model.layers.2"]
@@ -401,6 +400,13 @@ def test_hf_every_n_layers_checkpoints_every_nth_layer_and_a_plan_meets_its_poin
         True, False, True, False]
     with pytest.raises(ValueError, match="every_n_layers must be an integer >= 1, got 0"):
         HFGradientCheckpointing(every_n_layers=0)
+
+
+@pytest.mark.slow  # 22 s on 2 cores: make test-all
+def test_a_plan_meets_hfs_every_n_layers_point(tmp_path):
+    """At the ``every_n_layers=2`` row: gradients as ``none``'s, a peak between ``full``'s
+    and ``none``'s; the plan for that row's training-step peak peaks no higher and
+    recomputes no more."""
     every = "hf_gradient_checkpointing(every_n_layers=2)"
     cfg = compose_config("bench", tmp_path, [
         *HF_LLAMA_TINY, "model.net.config.num_hidden_layers=4", "data.block_size=256",

@@ -259,12 +259,12 @@ def test_bad_planner_settings_and_infeasible_budgets_end_a_run_without_a_traceba
 
 
 def test_the_printed_train_command_chooses_an_experiment_as_train_py_does(tmp_path):
-    """``remat.plan`` takes ``+experiment=...`` (its defaults list has no experiment group);
-    the train command it prints says ``experiment=...``, which ``train.py`` composes
-    (``+experiment=`` there fails with 'Multiple values for experiment')."""
+    """``remat.plan`` takes ``experiment=...`` as ``train.py`` does (its defaults list had
+    no experiment group: Hydra refused it without ``+``), and the train command it prints
+    says ``experiment=...``, which ``train.py`` composes."""
     from remat.plan import train_overrides
 
-    compose_app("plan", tmp_path / "plan", ["+experiment=shakespeare_gpt", "strategy.memory=1GiB",
+    compose_app("plan", tmp_path / "plan", ["experiment=shakespeare_gpt", "strategy.memory=1GiB",
                                             "data.batch_size=4"])
     overrides = train_overrides(tmp_path / "plan.json")
     assert overrides == ["experiment=shakespeare_gpt", "data.batch_size=4", "strategy=plan",

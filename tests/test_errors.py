@@ -63,6 +63,40 @@ def test_an_argument_the_target_does_not_take_is_named_with_the_closest(
     assert said in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("args, said", [
+    (["data=folder", "data.root=x", "data.image_size=64"],
+     "data.image_size: data=folder has no key 'image_size'; did you mean data.patch_size,"),
+    (["experiment=kvasir_unet", "trainer.max_step=3"],
+     "trainer.max_step: trainer=default has no key 'max_step'; did you mean "
+     "trainer.max_steps,"),
+    (["strategy=every_k", "strategy.kk=2"], "did you mean strategy.k?"),
+])
+def test_a_key_the_config_lacks_is_named_with_the_closest(args, said):
+    """Hydra's four lines ("Could not override ... Key 'image_size' is not in struct")
+    named the key but not the one meant (a file dataset's size is data.patch_size)."""
+    from remat.errors import unknown_key
+
+    message = unknown_key("train", args)
+    assert said in message and "(a key of your own takes '+'" in message
+
+
+def test_unknown_keys_leave_good_commands_and_sweeps_to_hydra(monkeypatch, capsys):
+    from remat import train as entry
+    from remat.errors import unknown_key
+
+    assert unknown_key("train", ["data=folder", "data.patch_size=64"]) is None
+    assert unknown_key("train", ["data.imge_size=32,64"]) is None  # a sweep: Hydra's
+    assert unknown_key("train", ["--multirun", "data.imge_size=32"]) is None
+    monkeypatch.setattr("sys.argv", ["train.py", "data.imge_size=32"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.startswith(
+        "error: data.imge_size: data=synthetic_seg has no key 'imge_size'; did you mean "
+        "data.image_size")
+
+
 def test_the_command_line_prints_one_line(tmp_path):
     args = [str(REPO / "train.py"), *TINY, "strategy=sqrtn", "model.stages=[]",
             f"hydra.run.dir={tmp_path / 'r'}"]

@@ -211,3 +211,69 @@ def run_entry(fn: Callable[[Any], T], cfg: Any, single_run: bool = True) -> T:
             raise
         print(f"error: {message_of(shown)}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def unknown_key(config_name: str, args: list[str]) -> str | None:
+    """The one line for a ``<group>.<key>=<value>`` override of a key the composed config
+    does not have (Hydra's four lines: "Could not override ... Key 'image_size' is not in
+    struct"): the key, the group's config and the closest keys it has
+    (``data=folder data.image_size=64``: did you mean data.patch_size?); None when the
+    command line composes, or fails otherwise (Hydra reports that itself), or holds
+    options or sweeps this check leaves to Hydra.
+
+    Args:
+        config_name: the primary config (``train``).
+        args: the command line's overrides.
+    """
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    from remat.config import config_dir
+
+    if any(a.startswith("-") for a in args):  # --multirun, --cfg, -cn ...: Hydra's own
+        return None
+    overrides = [a for a in args if not a.lstrip("+~").startswith("hydra.")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - a malformed override: Hydra says what is wrong
+        return None
+    if any(o.is_sweep_override() for o in parsed):
+        return None
+
+    def composed(given: list[str]) -> Any:
+        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
+            return compose(config_name, overrides=given, return_hydra_config=True)
+
+    try:
+        composed(overrides)
+        return None
+    except ConfigCompositionException as err:
+        found = _FULL_KEY.search(str(err.__cause__))
+        if found is None or "is not in struct" not in str(err.__cause__):
+            return None
+        key = found.group(1)
+    except Exception:  # noqa: BLE001 - anything else is Hydra's to report
+        return None
+    parent, _, leaf = key.rpartition(".")
+    try:
+        cfg = composed([o for o in overrides if o.split("=", 1)[0] != key])
+    except Exception:  # noqa: BLE001
+        return None
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    keys = [str(k) for k in node.keys()] if node is not None and hasattr(node, "keys") else []
+    near = difflib.get_close_matches(leaf, keys, n=3, cutoff=0.5)
+    twin = {"image_size": "patch_size", "patch_size": "image_size"}.get(leaf)
+    if twin in keys:
+        near = [twin, *[k for k in near if k != twin]][:3]
+    group = parent.split(".")[0]
+    choice = cfg.hydra.runtime.choices.get(group) if parent else None
+    where = f"{group}={choice}" if choice else (parent or "the config")
+    hint = (f"did you mean {', '.join(f'{parent}.{k}' for k in near)}?" if near
+            else f"its keys: {', '.join(keys)}" if keys else "")
+    return (f"{key}: {where} has no key {leaf!r}" + (f"; {hint}" if hint else "")
+            + f" (a key of your own takes '+': +{key}=...)")
+

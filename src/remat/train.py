@@ -12,6 +12,7 @@ loader state for resuming (:class:`~remat.callbacks.ResumeState`), the monitor c
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from remat.callbacks import RunSummary, failure_summary
 from remat.callbacks.run_dir import run_dir_claimed
 from remat.compiling import training_options
 from remat.config import check_top_level, config_dir
-from remat.errors import mark_in_loop, run_entry
+from remat.errors import mark_in_loop, run_entry, unknown_key
 from remat.models.checks import (
     check_checkpoint_fits,
     check_lora_supported,
@@ -190,6 +191,11 @@ def main() -> None:
     jobs still run.
     """
     sys.argv[1:] = resume_args(sys.argv[1:], "train")
+    unknown = None if os.environ.get("HYDRA_FULL_ERROR") == "1" else unknown_key(
+        "train", sys.argv[1:])
+    if unknown is not None:  # Hydra's four lines named the key but not the one meant
+        print(f"error: {unknown}", file=sys.stderr)
+        raise SystemExit(1)
     _hydra_main()
 
 

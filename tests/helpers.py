@@ -52,8 +52,10 @@ def entry_exit(app: str, cfg: DictConfig) -> int:
     from omegaconf import read_write
 
     module = importlib.import_module(f"remat.{app}")
-    # train's main completes a resume's command line first; its Hydra app is _run
-    run = module._run if app == "train" else module.main.__wrapped__
+    # a main checks the command line (train's also completes a resume's) before its
+    # Hydra app: train's _run, the others' _app where they have one
+    run = (module._run if app == "train" else getattr(module, "_app", None)
+           or module.main.__wrapped__)
     with read_write(cfg.hydra):
         cfg.hydra.mode = RunMode.RUN
     HydraConfig().set_config(cfg)

@@ -277,3 +277,19 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
     return (f"{key}: {where} has no key {leaf!r}" + (f"; {hint}" if hint else "")
             + f" (a key of your own takes '+': +{key}=...)")
 
+
+def exit_on_unknown_key(config_name: str) -> None:
+    """Before Hydra composes ``config_name`` from ``sys.argv``: end the process with
+    :func:`unknown_key`'s line and exit code 1 when the command line sets a key the config
+    lacks (``HYDRA_FULL_ERROR=1`` leaves it to Hydra).
+
+    Raises:
+        SystemExit: code 1, after printing ``error: <message>`` on stderr.
+    """
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return
+    unknown = unknown_key(config_name, sys.argv[1:])
+    if unknown is not None:
+        print(f"error: {unknown}", file=sys.stderr)
+        raise SystemExit(1)
+

@@ -55,7 +55,7 @@ from omegaconf import DictConfig, OmegaConf
 from remat import _compat, run_shape
 from remat.build import build_from_config
 from remat.config import config_dir
-from remat.errors import run_entry
+from remat.errors import exit_on_unknown_key, run_entry
 from remat.measure import format_bytes
 from remat.measure.kernels import KernelTemporaries, measured_temporaries, signatures_fn
 from remat.measure.trace import Estimate, in_children, trace_step
@@ -253,8 +253,7 @@ def run(cfg: DictConfig) -> Estimate:
     return est
 
 
-@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="estimate")
-def main(cfg: DictConfig) -> None:
+def _app(cfg: DictConfig) -> None:
     """Hydra app around :func:`run`; a strategy that cannot be traced exits with code 2 and
     the reason, instead of a number; a user error (a config, data or model-build error)
     exits with code 1 and its message on one line (:func:`remat.errors.run_entry`)."""
@@ -263,6 +262,18 @@ def main(cfg: DictConfig) -> None:
     except NotTraceable as err:
         print(str(err), file=sys.stderr)
         sys.exit(2)
+
+
+_hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()),
+                         config_name="estimate")(_app)
+
+
+def main() -> None:
+    """``python -m remat.estimate`` / ``remat-estimate``: a key the config lacks ends it with one
+    line naming the closest keys (:func:`remat.errors.exit_on_unknown_key`), then the Hydra
+    app (:func:`_app`)."""
+    exit_on_unknown_key("estimate")
+    _hydra_main()
 
 
 if __name__ == "__main__":

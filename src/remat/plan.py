@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from remat import run_shape
 from remat.config import config_dir
-from remat.errors import run_entry
+from remat.errors import exit_on_unknown_key, run_entry
 from remat.measure import format_bytes
 from remat.planner import (
     InfeasibleBudget,
@@ -248,8 +248,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="plan")
-def main(cfg: DictConfig) -> None:
+def _app(cfg: DictConfig) -> None:
     """Hydra app around :func:`run`; an infeasible budget exits with code 2 and what would
     fit instead (on stderr); a bad planner setting (:class:`~remat.planner.PlanInputError`)
     or another user error (a config, data or model-build error,
@@ -265,6 +264,18 @@ def main(cfg: DictConfig) -> None:
             raise SystemExit(f"error: {err}") from None
 
     run_entry(run_or_exit, cfg)
+
+
+_hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()),
+                         config_name="plan")(_app)
+
+
+def main() -> None:
+    """``python -m remat.plan`` / ``remat-plan``: a key the config lacks ends it with one
+    line naming the closest keys (:func:`remat.errors.exit_on_unknown_key`), then the Hydra
+    app (:func:`_app`)."""
+    exit_on_unknown_key("plan")
+    _hydra_main()
 
 
 if __name__ == "__main__":

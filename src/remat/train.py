@@ -12,7 +12,6 @@ loader state for resuming (:class:`~remat.callbacks.ResumeState`), the monitor c
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from remat.callbacks import RunSummary, failure_summary
 from remat.callbacks.run_dir import run_dir_claimed
 from remat.compiling import training_options
 from remat.config import check_top_level, config_dir
-from remat.errors import mark_in_loop, run_entry, unknown_key
+from remat.errors import exit_on_unknown_key, mark_in_loop, run_entry
 from remat.models.checks import (
     check_checkpoint_fits,
     check_lora_supported,
@@ -191,11 +190,7 @@ def main() -> None:
     jobs still run.
     """
     sys.argv[1:] = resume_args(sys.argv[1:], "train")
-    unknown = None if os.environ.get("HYDRA_FULL_ERROR") == "1" else unknown_key(
-        "train", sys.argv[1:])
-    if unknown is not None:  # Hydra's four lines named the key but not the one meant
-        print(f"error: {unknown}", file=sys.stderr)
-        raise SystemExit(1)
+    exit_on_unknown_key("train")  # Hydra's four lines named the key, not the one meant
     _hydra_main()
 
 

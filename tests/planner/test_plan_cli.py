@@ -233,7 +233,7 @@ def test_bad_planner_settings_and_infeasible_budgets_end_a_run_without_a_traceba
     """``python train.py strategy=budget strategy.memory=abc`` and ``python -m remat.plan
     strategy.memory=0``: one line naming the key (exit code 1); a budget below what any plan needs:
     what would fit, on stderr, exit code 2 (as remat.plan gives it)."""
-    from remat.plan import main as plan_main
+    from remat.plan import _hydra_main as plan_main
 
     def as_single_run(cfg):
         with read_write(cfg.hydra):

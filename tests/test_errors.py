@@ -80,6 +80,19 @@ def test_a_key_the_config_lacks_is_named_with_the_closest(args, said):
     assert said in message and "(a key of your own takes '+'" in message
 
 
+@pytest.mark.parametrize("entry", ["plan", "estimate"])
+def test_plan_and_estimate_name_a_key_their_config_lacks(entry, monkeypatch, capsys):
+    module = __import__(f"remat.{entry}", fromlist=["main"])
+    monkeypatch.setattr("sys.argv", [entry, "experiment=kvasir_unet", "data.imge_size=64"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        module.main()
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.startswith(
+        "error: data.imge_size: data=kvasir_seg has no key 'imge_size'; did you mean "
+        "data.image_size")
+
+
 def test_unknown_keys_leave_good_commands_and_sweeps_to_hydra(monkeypatch, capsys):
     from remat import train as entry
     from remat.errors import unknown_key

@@ -135,11 +135,12 @@ def test_unreadable_inputs_are_all_named_before_any_mask_is_written(trained, tmp
     assert predict(compose_app("predict", tmp_path / "q", args))["count"] == 6
 
 
-def test_an_output_inside_the_input_is_not_read_as_input_and_stale_masks_are_named(
+def test_an_output_inside_the_input_is_refused_and_stale_masks_are_named(
         trained, tmp_path, caplog):
-    """Predicting into ``<input>/out`` and again with overwrite=true predicted on the first
-    run's masks (6 rows for 3 images, ``out/out/...``); and an overwrite that writes fewer
-    masks left the others in the folder without a word."""
+    """Predicting into ``<input>/out`` left masks a later run on that input read as
+    images (6 rows for 3 images); into the input itself "no image matches" (its images
+    were excluded). Both are refused before anything is written. An overwrite that writes
+    fewer masks than the folder held names the others it leaves."""
     import logging
 
     _, root, ckpt = trained
@@ -147,11 +148,15 @@ def test_an_output_inside_the_input_is_not_read_as_input_and_stale_masks_are_nam
     inputs.mkdir()
     for image in sorted((root / "data" / "images").iterdir())[:3]:
         shutil.copy(image, inputs / image.name)
-    out = inputs / "out"
+    for output in (inputs / "out", inputs):
+        with pytest.raises(ValueError, match=rf"output={output} lies inside input={inputs}: "
+                                             "a later predict"):
+            predict(compose_app("predict", tmp_path / "p", [
+                f"ckpt_path={ckpt}", f"input={inputs}", f"output={output}", "overwrite=true"]))
+    assert not (inputs / "out").exists()
+    out = tmp_path / "masks"
     args = [f"ckpt_path={ckpt}", f"input={inputs}", f"output={out}"]
-    assert predict(compose_app("predict", tmp_path / "p", args))["count"] == 3
-    again = predict(compose_app("predict", tmp_path / "q", [*args, "overwrite=true"]))
-    assert again["count"] == 3 and not (out / "out").exists()
+    assert predict(compose_app("predict", tmp_path / "q", args))["count"] == 3
     first = sorted(inputs.glob("*.png"))[0]
     with caplog.at_level(logging.WARNING, logger="remat"):
         one = predict(compose_app("predict", tmp_path / "r", [

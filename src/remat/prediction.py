@@ -51,13 +51,14 @@ def list_inputs(source: str | Path, pattern: str = "**/*",
             :data:`IMAGE_SUFFIXES`; volumes: ``.nii.gz``, ``.nii``). Names are the paths
             below the folder without the suffix (``site1/case3``); a single file's name is
             its name without the suffix.
-        exclude: a folder whose files are never inputs (the output folder, when it lies
-            inside ``source``: a run must not predict on the masks of an earlier one).
+        exclude: the output folder: refused when it lies inside a ``source`` folder, where
+            a later run on that folder would predict on this run's masks as images.
 
     Raises:
         FileNotFoundError: ``source`` does not exist, or the folder holds no image (names
             the folder, the glob and the suffixes looked for).
-        ValueError: two files give one name (``a.png`` and ``a.jpg``).
+        ValueError: two files give one name (``a.png`` and ``a.jpg``); ``exclude`` inside
+            (or equal to) a ``source`` folder.
     """
     path = Path(str(source)).expanduser()
     suffixes = tuple(s.lower() for s in suffixes)
@@ -66,10 +67,12 @@ def list_inputs(source: str | Path, pattern: str = "**/*",
     if not path.is_dir():
         raise FileNotFoundError(f"input={source}: no such file or folder (give a folder of "
                                 "images or one image file)")
-    skip = exclude.expanduser().resolve() if exclude is not None else None
+    if exclude is not None and exclude.expanduser().resolve().is_relative_to(path.resolve()):
+        raise ValueError(f"output={exclude} lies inside input={source}: a later predict on "
+                         "that folder would read these masks as images; give an output "
+                         "folder outside it")
     files = sorted(p for p in path.glob(pattern) if p.is_file()
-                   and p.name.lower().endswith(suffixes) and not p.name.startswith(".")
-                   and (skip is None or not p.resolve().is_relative_to(skip)))
+                   and p.name.lower().endswith(suffixes) and not p.name.startswith("."))
     if not files:
         raise FileNotFoundError(f"input={source}: no image matches {pattern!r} there "
                                 f"(suffixes {', '.join(suffixes)})")

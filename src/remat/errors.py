@@ -115,9 +115,16 @@ def unexpected_argument(err: BaseException) -> TypeError | None:
     if not isinstance(err, InstantiationException) or not isinstance(err.__cause__, TypeError):
         return None
     arg, target = _UNEXPECTED.search(str(err)), _TARGET.search(str(err))
+    key = _FULL_KEY.search(str(err))
+    if target is not None and arg is None and "takes no arguments" in str(err):
+        # a class without an __init__ of its own (strategy=sqrtn +strategy.k=2)
+        node = key.group(1) if key else "its config"
+        new = TypeError(f"{node}: {target.group(1)} takes no arguments; remove the "
+                        f"{node}.<name> settings given")
+        new.__cause__ = err
+        return new
     if arg is None or target is None:
         return None
-    key = _FULL_KEY.search(str(err))
     setting = f"{key.group(1)}.{arg.group(1)}" if key else arg.group(1)
     params: list[str] = []
     try:
@@ -217,9 +224,11 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
     """The one line for a ``<group>.<key>=<value>`` override of a key the composed config
     does not have (Hydra's four lines: "Could not override ... Key 'image_size' is not in
     struct"): the key, the group's config and the closest keys it has
-    (``data=folder data.image_size=64``: did you mean data.patch_size?); None when the
-    command line composes, or fails otherwise (Hydra reports that itself), or holds
-    options or sweeps this check leaves to Hydra.
+    (``data=folder data.image_size=64``: did you mean data.patch_size?), or for a top-level
+    key added with ``+`` that misspells one the config has (``+precison=bf16-mixed``,
+    which nothing reads); None when the command line composes otherwise, or fails
+    otherwise (Hydra reports that itself), or holds options or sweeps this check leaves
+    to Hydra.
 
     Args:
         config_name: the primary config (``train``).
@@ -249,8 +258,8 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
             return compose(config_name, overrides=given, return_hydra_config=True)
 
     try:
-        composed(overrides)
-        return None
+        cfg = composed(overrides)
+        return _added_like_a_key(cfg, overrides)
     except ConfigCompositionException as err:
         found = _FULL_KEY.search(str(err.__cause__))
         if found is None or "is not in struct" not in str(err.__cause__):
@@ -276,6 +285,27 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
             else f"its keys: {', '.join(keys)}" if keys else "")
     return (f"{key}: {where} has no key {leaf!r}" + (f"; {hint}" if hint else "")
             + f" (a key of your own takes '+': +{key}=...)")
+
+
+def _added_like_a_key(cfg: Any, overrides: list[str]) -> str | None:
+    """The line for a top-level key added with ``+`` that is a misspelling of a key the
+    config has (``+precison=bf16-mixed`` trained at precision 32-true without a word); a
+    top-level key of the user's own that resembles none is left alone."""
+    import difflib
+
+    from remat.config import config_dir
+
+    added = [o.split("=", 1)[0][1:] for o in overrides
+             if o.startswith("+") and not o.startswith("++") and "=" in o]
+    added = [k for k in added if not (config_dir() / k).is_dir()]  # +sweep=: a group
+    keys = [str(k) for k in cfg.keys() if str(k) != "hydra"]
+    for key in added:
+        near = difflib.get_close_matches(key, [k for k in keys if k not in added], n=2,
+                                         cutoff=0.75) if "." not in key else []
+        if near:
+            return (f"+{key}: not a key of the config, so nothing reads it; did you mean "
+                    f"{' or '.join(f'{k}=...' for k in near)} (no '+')?")
+    return None
 
 
 def exit_on_unknown_key(config_name: str) -> None:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from remat import run_shape
-from remat.errors import unimportable_target
+from remat.errors import unimportable_target, user_error
 from remat.models.checks import check_lora_supported
 from remat.strategies.stages import StageError
 
@@ -111,6 +111,9 @@ class ModelBuilder:
                 raise unimportable from err
             if isinstance(err.__cause__, StageError):  # names model.stages and the fix
                 raise err.__cause__ from None
+            shown = user_error(err)  # a constructor's own error names the key (one line)
+            if shown is not None and shown is not err:
+                raise shown from err
             raise ValueError(f"config group 'model' failed to build "
                              f"({self.model.get('_target_')}): {err}") from err
 

@@ -22,9 +22,40 @@ from torch import nn
 
 from remat.strategies.references import is_hf_model
 
-__all__ = ["apply_lora", "causal_lm_logits", "config_vocab_size", "is_hf_model",
-           "is_peft_model", "load_pretrained", "lora_config", "lora_stage_paths",
-           "parameter_counts"]
+__all__ = ["apply_lora", "causal_lm_logits", "check_config_keys", "config_vocab_size",
+           "is_hf_model", "is_peft_model", "load_pretrained", "lora_config",
+           "lora_stage_paths", "parameter_counts"]
+
+
+def check_config_keys(net: nn.Module, key: str = "model.net.config") -> None:
+    """Refuse a setting of a Hugging Face net's config that misspells one the config class
+    has: ``PretrainedConfig`` keeps any keyword as an attribute, so
+    ``+model.net.config.num_hiden_layers=2`` built the default 4 layers without a word.
+    Settings of the user's own that resemble no key of the class are left alone.
+
+    Args:
+        net: the network; nothing is checked unless its ``config`` is a
+            ``transformers.PretrainedConfig``.
+        key: the config key the settings came from, for the message.
+
+    Raises:
+        ValueError: names the setting and the closest key of the config class.
+    """
+    import difflib
+
+    config = getattr(net, "config", None)
+    if config is None or not hasattr(config, "to_dict") or not is_hf_model(net):
+        return
+    try:
+        known = set(type(config)().to_dict())
+    except Exception:  # noqa: BLE001 - a config class that needs arguments: not checked
+        return
+    for extra in sorted(set(config.to_dict()) - known):
+        near = difflib.get_close_matches(extra, sorted(known), n=1, cutoff=0.8)
+        if near:
+            raise ValueError(f"{key}.{extra}: {type(config).__name__} has no setting "
+                             f"{extra!r}, so it would be ignored; did you mean "
+                             f"{key}.{near[0]}?")
 
 
 def config_vocab_size(net: nn.Module) -> int | None:

@@ -14,6 +14,7 @@ from torch import nn
 from remat.inference import SlidingWindow, sliding_window_inference, volume_window_inference
 from remat.models.base import StrategyModule
 from remat.models.checks import extend_restored_schedule, require_keys
+from remat.models.hf import check_config_keys
 from remat.models.metrics import SegmentationMetrics
 from remat.models.weights import load_encoder_weights
 from remat.strategies import CheckpointStrategy
@@ -238,6 +239,7 @@ class SegmentationModule(StrategyModule):
             net = build_smp_model(arch, encoder_name, encoder_weights, in_channels, num_classes,
                                   **dict(arch_kwargs or {}))
         else:
+            check_config_keys(net)  # a Hugging Face net's misspelled config setting
             check_net_output(net, in_channels, num_classes, spatial_dims)
         if pretrained is not None:
             loaded, skipped = load_encoder_weights(net, pretrained)

@@ -20,6 +20,7 @@ from remat.models.gpt import GPT, sample_tokens
 from remat.models.hf import (
     apply_lora,
     causal_lm_logits,
+    check_config_keys,
     config_vocab_size,
     is_hf_model,
     load_pretrained,
@@ -129,6 +130,8 @@ class SequenceModule(StrategyModule):
         elif net is None:
             net = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, pos_embedding)
         self.hf_net = is_hf_model(net)
+        if self.hf_net and pretrained is None:
+            check_config_keys(net)
         net_vocab = config_vocab_size(net) if self.hf_net else None
         if net_vocab is not None and net_vocab != vocab_size:
             if pretrained is not None:

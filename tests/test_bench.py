@@ -354,9 +354,10 @@ def test_reference_rows_that_cannot_apply_are_skipped_with_a_note(tmp_path, caps
     assert [r["strategy"] for r in record["rows"]] == ["none", "full"]
     assert all(r["grads_match"] for r in record["rows"])
     out = capsys.readouterr().out
-    assert ("note: reference torch_checkpoint_sequential skipped: torch_checkpoint_sequential "
-            "needs nn.Sequential stages: 'decoder.blocks' is a ModuleList") in out
-    assert "note: reference hf_gradient_checkpointing skipped" in out
+    assert ("note: size 32: reference torch_checkpoint_sequential skipped: "
+            "torch_checkpoint_sequential needs nn.Sequential stages: 'decoder.blocks' is a "
+            "ModuleList") in out
+    assert "note: size 32: reference hf_gradient_checkpointing skipped" in out
     assert any("torch_checkpoint_sequential skipped" in n for n in record["notes"])
 
 
@@ -446,6 +447,9 @@ def test_bench_hf_llama_prints_rows_beside_the_hf_reference(tmp_path, capsys):
     assert all(r["peak_bytes"] < rows[0]["peak_bytes"] for r in rows[1:])
     out = capsys.readouterr().out
     assert "hf_gradient_checkpointing" in out and "timm_set_grad_checkpointing skipped" in out
+    # one size: one table and each note once (the size's progress print repeated them)
+    assert out.count("recompute FLOPs x none") == 1
+    assert out.count("timm_set_grad_checkpointing skipped") == 1
 
 
 # --- compiled rows -------------------------------------------------------------------------

@@ -190,6 +190,9 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
     if mesh is not None:
         notes.append(f"FSDP2 over {mesh.size()} ranks (one process each), data.batch_size per "
                      "rank; peak: the highest rank's; gradients compared gathered")
+    # with several sizes each one's table and notes are printed as it ends, then all
+    # together (with one size, the final print alone: it was printed twice)
+    progress = len(sizes) > 1
     for size in sizes:
         L.seed_everything(cfg.seed, workers=False)
         run_cfg = copy.deepcopy(cfg)  # this size in data.*, so ${data...} in the model follow
@@ -204,7 +207,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         references: dict[str, Any] = {}
         if cfg.get("reference_points", True) and mesh is None:
             references, skipped = reference_rows(base, list(base.stage_paths))
-            for note in skipped:
+            for note in skipped if progress else ():
                 print(f"note: {note}", flush=True)
             notes.extend(f"size {size}: {n}" for n in skipped)
         runs = planned_strategies(strategies, model_cfg, batch_size, size, precision,
@@ -223,13 +226,13 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
                                     int(cfg.seed), slot, backend if compiled else None,
                                     size_notes, mesh, peak_by, compile_options)
         size_notes += budget_rows_above_their_rows(size_rows, strategies)
-        for note in size_notes:
+        for note in size_notes if progress else ():
             print(f"note: {note}", flush=True)
         notes.extend(f"size {size}: {n}" for n in size_notes)
         for row in size_rows:
             row.size = size
         rows.extend(size_rows)
-        if primary:
+        if primary and progress:
             print(format_table(size_rows), flush=True)  # progress: one size at a time
         del base, batch
     model_name = cfg.model._target_.rsplit(".", 1)[-1]

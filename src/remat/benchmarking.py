@@ -564,9 +564,13 @@ def planned_strategies(strategies: dict[str, CheckpointStrategy], model_cfg: Dic
                 print(f"note: {where}: {label} skipped: {err}", flush=True)
                 continue
             planned = getattr(runs[label], "plan", None)
+            own = (f", where the plan peaks at "
+                   f"{format_bytes(planned.predicted_allocator_peak_bytes)}"
+                   if planned is not None and planned.predicted_allocator_peak_bytes else "")
             notes.append(f"{where}: {label}: {strategy.at}'s training step peaks at "
-                         f"{format_bytes(peak)} (traced, optimizer state included), planned "
-                         f"for a budget of {budget} bytes: "
+                         f"{format_bytes(peak)} (traced, optimizer state included); planned "
+                         f"for {format_bytes(budget)} (that peak plus the planner's margin, "
+                         f"which a plan's peak must leave free){own}: "
                          + (planned.summary().replace("\n", "; ") if planned is not None else
                             f"no plan recomputes less than {strategy.at} itself there"))
             continue

@@ -20,7 +20,8 @@ class EveryK(SegmentStrategy):
 
     def __init__(self, k: int = 2) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"strategy every_k: k must be an int >= 1, got {k!r}")
+            raise ValueError(f"strategy.k must be an int >= 1, got {k!r} (every_k: blocks "
+                             "per segment)")
         self.k = k
 
     def segments_for(self, n: int) -> list[tuple[int, int]]:

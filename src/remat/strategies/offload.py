@@ -151,7 +151,8 @@ class OffloadCheckpoint(RecomputeStrategy):
                              f"null (offload everything the stage saves), "
                              f"{', '.join(SEGMENTS)}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"strategy offload: k must be an int >= 1, got {k!r}")
+            raise ValueError(f"strategy.k must be an int >= 1, got {k!r} (offload: blocks "
+                             "per segment)")
         self.pin_memory = pin_memory
         self.segments = segments
         self.k = k

@@ -193,6 +193,6 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
             f" and {splits_bad} split(s) have no foreground" if splits_bad else "")
         raise DataCheckError(
             f"data check of {title}: {head} (set data.verify=false to skip this check and "
-            "meet them during training):\n" + "\n".join(problem_lines(problems)), problems)
+            "meet them when they are read):\n" + "\n".join(problem_lines(problems)), problems)
     log.info("data check of %s: %d files decoded in %.1f s, none bad", title, files, seconds)
     return files

@@ -44,8 +44,9 @@ class Point:
 
 def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> list[Point]:
     """One point per fixed strategy of :data:`remat.strategies.FIXED_POINTS`, traced on
-    ``default_stages`` (none listed, ``model.stages=auto``: no such rows) and on the whole
-    network (every candidate unit; ``none`` once):
+    ``default_stages`` (none listed, ``model.stages=auto``, or stages that name every
+    candidate unit: no such rows) and on the whole network (every candidate unit; ``none``
+    once):
     its traced allocator peak (bytes), extra FLOPs over ``none`` and modelled step time x
     ``none`` (the same strategy written as a plan, :meth:`Planner.references`). A
     strategy that cannot apply to the stages is a point with its error as the note.
@@ -57,8 +58,10 @@ def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> lis
                 for label, plan in planner.references(default_stages)}
     points = []
     # model.stages=auto (no stages listed): the default stages are the found units, the
-    # whole network's rows; building on an empty list wrapped nothing and named only that
-    sets = [("default stages", default_stages)] if default_stages else []
+    # whole network's rows; building on an empty list wrapped nothing and named only that.
+    # Stages naming every unit (a GPT's `blocks`) give the whole network's rows again: once
+    same = planner._staged_blocks(default_stages) == {p: None for p in whole}
+    sets = [("default stages", default_stages)] if default_stages and not same else []
     for first, (stages_label, stages) in enumerate([*sets, ("whole network", whole)]):
         def build_on(s: Any, st: list[str] = stages) -> Any:
             return build(s, st)

@@ -98,6 +98,17 @@ def unimportable_target(err: BaseException) -> ImportError | None:
     return new
 
 
+def _closest(name: str, names: list[str]) -> list[str]:
+    """Up to three of ``names`` closest to ``name`` (difflib), the size key of the other kind
+    of dataset first: ``image_size`` (synthetic data, whole images) for ``patch_size``
+    (file datasets, random crops) and back."""
+    import difflib
+
+    near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    twin = {"image_size": "patch_size", "patch_size": "image_size"}.get(name)
+    return [twin, *[n for n in near if n != twin]][:3] if twin in names else near
+
+
 _UNEXPECTED = re.compile(r"got an unexpected keyword argument '([^']+)'")
 _TARGET = re.compile(r"Error in call to target '([^']+)'")
 
@@ -107,7 +118,6 @@ def unexpected_argument(err: BaseException) -> TypeError | None:
     unexpected keyword argument 'k') full_key: <key>``: ``<key>.k`` named as the setting,
     with the target's arguments closest to ``k`` (``data=folder data.image_size=64``:
     did you mean data.patch_size?), or all of them; None for any other error."""
-    import difflib
     import inspect
 
     from hydra.errors import InstantiationException
@@ -142,11 +152,7 @@ def unexpected_argument(err: BaseException) -> TypeError | None:
     except (ImportError, TypeError, ValueError):
         pass
     prefix = f"{key.group(1)}." if key else ""
-    near = difflib.get_close_matches(arg.group(1), params, n=3, cutoff=0.5)
-    # the size key of file datasets (random crops) against synthetic data's (whole images)
-    twin = {"image_size": "patch_size", "patch_size": "image_size"}.get(arg.group(1))
-    if twin in params:
-        near = [twin, *[n for n in near if n != twin]][:3]
+    near = _closest(arg.group(1), params)
     hint = (f"did you mean {', '.join(prefix + n for n in near)}?" if near
             else f"it takes {', '.join(params)}" if params else "")
     new = TypeError(f"{setting}: {target.group(1)} takes no argument {arg.group(1)!r}"
@@ -234,7 +240,6 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
         config_name: the primary config (``train``).
         args: the command line's overrides.
     """
-    import difflib
 
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -274,10 +279,7 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
         return None
     node = OmegaConf.select(cfg, parent) if parent else cfg
     keys = [str(k) for k in node.keys()] if node is not None and hasattr(node, "keys") else []
-    near = difflib.get_close_matches(leaf, keys, n=3, cutoff=0.5)
-    twin = {"image_size": "patch_size", "patch_size": "image_size"}.get(leaf)
-    if twin in keys:
-        near = [twin, *[k for k in near if k != twin]][:3]
+    near = _closest(leaf, keys)
     group = parent.split(".")[0]
     choice = cfg.hydra.runtime.choices.get(group) if parent else None
     where = f"{group}={choice}" if choice else (parent or "the config")
@@ -297,11 +299,11 @@ def _added_like_a_key(cfg: Any, overrides: list[str]) -> str | None:
 
     added = [o.split("=", 1)[0][1:] for o in overrides
              if o.startswith("+") and not o.startswith("++") and "=" in o]
-    added = [k for k in added if not (config_dir() / k).is_dir()]  # +sweep=: a group
-    keys = [str(k) for k in cfg.keys() if str(k) != "hydra"]
+    # top-level keys only; +sweep=ablation names a config group
+    added = [k for k in added if "." not in k and not (config_dir() / k).is_dir()]
+    keys = [str(k) for k in cfg.keys() if str(k) != "hydra" and str(k) not in added]
     for key in added:
-        near = difflib.get_close_matches(key, [k for k in keys if k not in added], n=2,
-                                         cutoff=0.75) if "." not in key else []
+        near = difflib.get_close_matches(key, keys, n=2, cutoff=0.75)
         if near:
             return (f"+{key}: not a key of the config, so nothing reads it; did you mean "
                     f"{' or '.join(f'{k}=...' for k in near)} (no '+')?")

@@ -105,13 +105,42 @@ def test_each_entry_point_names_a_key_its_config_lacks(entry, args, choice, monk
         "data.image_size")
 
 
+@pytest.mark.parametrize("entry, args, said", [
+    # Hydra named the first alone, in its own four lines
+    ("train", ["data.image_sise=32", "data.num_trian=4"],
+     "data.image_sise: data=synthetic_seg has no key 'image_sise'; did you mean "
+     "data.image_size"),
+    ("train", ["data.image_sise=32", "data.num_trian=4"], "; data.num_trian: data="),
+    ("train", ["-m", "trainer.max_step=1", "strategy=none,full"],  # a multirun's other keys
+     "did you mean trainer.max_steps"),
+    ("train", ["precison=bf16-mixed"], "precison: the train config has no key 'precison'; "
+                                       "did you mean precision?"),
+    # no trainer node on these entry points: the top-level key is meant
+    ("estimate", ["trainer.precision=bf16-mixed"],
+     "trainer.precision: the estimate config has no 'trainer' settings; did you mean "
+     "precision=...?"),
+    # added with '+', read by nothing: estimated the default 256 px
+    ("estimate", ["+data.image_sise=32"], "+data.image_sise: not a key of the config, so "
+                                          "nothing reads it; did you mean data.image_size"),
+    ("plan", ["+strategy.memry=1GiB"], "did you mean strategy.memory=..."),
+])
+def test_unknown_keys_of_every_kind_are_one_line(entry, args, said):
+    from remat.errors import unknown_key
+
+    assert said in unknown_key(entry, args)
+
+
 def test_unknown_keys_leave_good_commands_and_sweeps_to_hydra():
     from remat.errors import unknown_key
 
     assert unknown_key("train", ["data=folder", "data.patch_size=64"]) is None
     assert unknown_key("train", ["+notes=first try"]) is None  # a key of one's own
-    assert unknown_key("train", ["data.imge_size=32,64"]) is None  # a sweep: Hydra's
-    assert unknown_key("train", ["--multirun", "data.imge_size=32"]) is None
+    assert unknown_key("train", ["data.imge_size=32,64"]) is None  # a swept key: Hydra's
+    assert unknown_key("train", ["-m", "+sweep=ablation"]) is None  # a group
+    # a custom net's arguments, each beside the others the command line adds
+    assert unknown_key("train", ["model=custom", "model.net._target_=m.Net",
+                                 "+model.net.in_channels=3", "+model.net.out_channels=1",
+                                 "+model.net.channels=[16,32]"]) is None
 
 
 def test_the_command_line_prints_one_line(tmp_path):

@@ -120,11 +120,12 @@ def test_size_overflowing_int64_names_the_key(tmp_path):
 
 
 def test_config_that_fails_to_build_names_the_group(tmp_path):
-    # the model's own error names its keys (it came inside Hydra's three lines)
+    # the model's and the strategy's own errors name their keys (they came inside Hydra's
+    # three lines)
     with pytest.raises(ValueError, match=r"^model.arch / model.encoder_name: Wrong encoder "
                                          r"name `resnet_nope`"):
         estimate(compose_config("estimate", tmp_path, [*UNET, "model.encoder_name=resnet_nope"]))
-    with pytest.raises(ValueError, match=r"config group 'strategy' failed to build.*every_k"):
+    with pytest.raises(ValueError, match=r"^strategy.k must be an int >= 1, got 0 \(every_k"):
         estimate(compose_config("estimate", tmp_path, [*GPT, "strategy=every_k",
                                                        "strategy.k=0"]))
 

@@ -151,8 +151,8 @@ def test_an_output_inside_the_input_is_refused_and_stale_masks_are_named(
     for output in (inputs / "out", inputs):
         with pytest.raises(ValueError, match=rf"output={output} lies inside input={inputs}: "
                                              "a later predict"):
-            predict(compose_app("predict", tmp_path / "p", [
-                f"ckpt_path={ckpt}", f"input={inputs}", f"output={output}", "overwrite=true"]))
+            predict(compose_app("predict", tmp_path / "p", [  # before "holds files"
+                f"ckpt_path={ckpt}", f"input={inputs}", f"output={output}"]))
     assert not (inputs / "out").exists()
     out = tmp_path / "masks"
     args = [f"ckpt_path={ckpt}", f"input={inputs}", f"output={out}"]

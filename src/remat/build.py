@@ -21,9 +21,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from remat import run_shape
-from remat.errors import unimportable_target, user_error
+from remat.errors import user_error
 from remat.models.checks import check_lora_supported
-from remat.strategies.stages import StageError
 
 #: The largest element count a tensor may have (torch indexes elements with int64).
 INT64_MAX = 2**63 - 1
@@ -83,9 +82,9 @@ class ModelBuilder:
         try:
             strategy = instantiate(self.strategy)
         except InstantiationException as err:
-            unimportable = unimportable_target(err)
-            if unimportable is not None:
-                raise unimportable from err
+            shown = user_error(err)  # a module that cannot be imported, an argument the
+            if shown is not None and shown is not err:  # strategy does not take: one line
+                raise shown from err
             raise ValueError(f"config group 'strategy' failed to build "
                              f"({self.strategy.get('_target_')}): {err}") from err
         return self.with_strategy(strategy)
@@ -106,12 +105,9 @@ class ModelBuilder:
                 return instantiate(self.model, strategy=strategy, stages=list(stages))
             return instantiate(self.model, strategy=strategy)
         except InstantiationException as err:
-            unimportable = unimportable_target(err)
-            if unimportable is not None:  # model.net._target_ of a user's own network
-                raise unimportable from err
-            if isinstance(err.__cause__, StageError):  # names model.stages and the fix
-                raise err.__cause__ from None
-            shown = user_error(err)  # a constructor's own error names the key (one line)
+            # model.net._target_ that cannot be imported, stages that cannot be wrapped
+            # (names model.stages), a constructor's own error naming its key: one line
+            shown = user_error(err)
             if shown is not None and shown is not err:
                 raise shown from err
             raise ValueError(f"config group 'model' failed to build "

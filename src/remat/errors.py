@@ -113,7 +113,7 @@ _UNEXPECTED = re.compile(r"got an unexpected keyword argument '([^']+)'")
 _TARGET = re.compile(r"Error in call to target '([^']+)'")
 
 
-def unexpected_argument(err: BaseException) -> TypeError | None:
+def unexpected_argument(err: BaseException) -> ValueError | None:
     """One line for Hydra's three-line ``Error in call to target '<t>': TypeError(... got an
     unexpected keyword argument 'k') full_key: <key>``: ``<key>.k`` named as the setting,
     with the target's arguments closest to ``k`` (``data=folder data.image_size=64``:
@@ -129,8 +129,8 @@ def unexpected_argument(err: BaseException) -> TypeError | None:
     if target is not None and arg is None and "takes no arguments" in str(err):
         # a class without an __init__ of its own (strategy=sqrtn +strategy.k=2)
         node = key.group(1) if key else "its config"
-        new = TypeError(f"{node}: {target.group(1)} takes no arguments; remove the "
-                        f"{node}.<name> settings given")
+        new = ValueError(f"{node}: {target.group(1)} takes no arguments; remove the "
+                         f"{node}.<name> settings given")
         new.__cause__ = err
         return new
     if arg is None or target is None:
@@ -155,8 +155,8 @@ def unexpected_argument(err: BaseException) -> TypeError | None:
     near = _closest(arg.group(1), params)
     hint = (f"did you mean {', '.join(prefix + n for n in near)}?" if near
             else f"it takes {', '.join(params)}" if params else "")
-    new = TypeError(f"{setting}: {target.group(1)} takes no argument {arg.group(1)!r}"
-                    + (f"; {hint}" if hint else ""))
+    new = ValueError(f"{setting}: {target.group(1)} takes no argument {arg.group(1)!r}"
+                     + (f"; {hint}" if hint else ""))
     new.__cause__ = err
     return new
 
@@ -227,87 +227,121 @@ def run_entry(fn: Callable[[Any], T], cfg: Any, single_run: bool = True) -> T:
 
 
 def unknown_key(config_name: str, args: list[str]) -> str | None:
-    """The one line for a ``<group>.<key>=<value>`` override of a key the composed config
-    does not have (Hydra's four lines: "Could not override ... Key 'image_size' is not in
-    struct"): the key, the group's config and the closest keys it has
-    (``data=folder data.image_size=64``: did you mean data.patch_size?), or for a top-level
-    key added with ``+`` that misspells one the config has (``+precison=bf16-mixed``,
-    which nothing reads); None when the command line composes otherwise, or fails
-    otherwise (Hydra reports that itself), or holds options or sweeps this check leaves
-    to Hydra.
+    """One line for the keys of a command line the composed config does not have (Hydra's
+    four lines, "Could not override ... Key 'image_size' is not in struct", for the first
+    one only): each key with the group's config and the closest keys it has
+    (``data=folder data.image_size=64``: did you mean data.patch_size?), a node the config
+    lacks altogether (``trainer.precision`` on ``remat.estimate``: did you mean
+    precision?), and keys added with ``+`` that misspell one the config has
+    (``+precison=bf16-mixed``, ``+data.image_sise=32``: nothing would read them). None
+    when every key is known, or the command line fails otherwise (Hydra reports that), or
+    holds options this check leaves to Hydra. In a multirun (``-m``) the swept keys are
+    left to Hydra and the others checked.
 
     Args:
-        config_name: the primary config (``train``).
+        config_name: the primary config (``train``, ``plan``, ``estimate``).
         args: the command line's overrides.
     """
-
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import ConfigCompositionException
-    from omegaconf import OmegaConf
 
     from remat.config import config_dir
 
-    if any(a.startswith("-") for a in args):  # --multirun, --cfg, -cn ...: Hydra's own
+    args = [a for a in args if a not in ("-m", "--multirun")]
+    if any(a.startswith("-") for a in args):  # --cfg, -cn, --config-dir ...: Hydra's own
         return None
     overrides = [a for a in args if not a.lstrip("+~").startswith("hydra.")]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception:  # noqa: BLE001 - a malformed override: Hydra says what is wrong
         return None
-    if any(o.is_sweep_override() for o in parsed):
-        return None
+    overrides = [o for o, p in zip(overrides, parsed, strict=True) if not p.is_sweep_override()]
 
     def composed(given: list[str]) -> Any:
         with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
             return compose(config_name, overrides=given, return_hydra_config=True)
 
-    try:
-        cfg = composed(overrides)
-        return _added_like_a_key(cfg, overrides)
-    except ConfigCompositionException as err:
-        found = _FULL_KEY.search(str(err.__cause__))
-        if found is None or "is not in struct" not in str(err.__cause__):
+    unknown: list[str] = []  # keys of overrides the config refused, in order
+    for _ in range(len(overrides) + 1):
+        given = [o for o in overrides if o.split("=", 1)[0] not in unknown]
+        try:
+            cfg = composed(given)
+            break
+        except ConfigCompositionException as err:
+            found = _FULL_KEY.search(str(err.__cause__))
+            if found is None or "is not in struct" not in str(err.__cause__):
+                return None
+            node = found.group(1)  # the key, or the first node of it the config lacks
+            key = next((o.split("=", 1)[0] for o in given
+                        if o.split("=", 1)[0] in (node,) or o.startswith(node + ".")), None)
+            if key is None:
+                return None
+            unknown.append(key)
+        except Exception:  # noqa: BLE001 - anything else is Hydra's to report
             return None
-        key = found.group(1)
-    except Exception:  # noqa: BLE001 - anything else is Hydra's to report
+    else:
         return None
+    lines = [_missing_key(cfg, key, config_name) for key in unknown]
+    lines += _added_like_a_key(cfg, given)
+    return "; ".join(lines) if lines else None
+
+
+def _missing_key(cfg: Any, key: str, config_name: str) -> str:
+    """The message for a key ``cfg`` (composed without it) does not have."""
+    from omegaconf import OmegaConf
+
     parent, _, leaf = key.rpartition(".")
-    try:
-        cfg = composed([o for o in overrides if o.split("=", 1)[0] != key])
-    except Exception:  # noqa: BLE001
-        return None
     node = OmegaConf.select(cfg, parent) if parent else cfg
-    keys = [str(k) for k in node.keys()] if node is not None and hasattr(node, "keys") else []
+    if parent and node is None:  # no such node at all: the leaf may be a top-level key
+        near = _closest(leaf, [str(k) for k in cfg.keys() if str(k) != "hydra"])
+        return (f"{key}: the {config_name} config has no {parent.split('.')[0]!r} settings"
+                + (f"; did you mean {', '.join(near)}=...?" if near else ""))
+    keys = [str(k) for k in node.keys() if str(k) != "hydra"] if hasattr(node, "keys") else []
     near = _closest(leaf, keys)
+    prefix = f"{parent}." if parent else ""
     group = parent.split(".")[0]
     choice = cfg.hydra.runtime.choices.get(group) if parent else None
-    where = f"{group}={choice}" if choice else (parent or "the config")
-    hint = (f"did you mean {', '.join(f'{parent}.{k}' for k in near)}?" if near
+    where = f"{group}={choice}" if choice else (parent or f"the {config_name} config")
+    hint = (f"did you mean {', '.join(prefix + k for k in near)}?" if near
             else f"its keys: {', '.join(keys)}" if keys else "")
     return (f"{key}: {where} has no key {leaf!r}" + (f"; {hint}" if hint else "")
             + f" (a key of your own takes '+': +{key}=...)")
 
 
-def _added_like_a_key(cfg: Any, overrides: list[str]) -> str | None:
-    """The line for a top-level key added with ``+`` that is a misspelling of a key the
-    config has (``+precison=bf16-mixed`` trained at precision 32-true without a word); a
-    top-level key of the user's own that resembles none is left alone."""
+def _added_like_a_key(cfg: Any, overrides: list[str]) -> list[str]:
+    """The lines for keys added with ``+`` that misspell a key beside them in the config
+    (``+precison=bf16-mixed`` trained at 32-true, ``+data.image_sise=32`` estimated the
+    default size: nothing reads them); a key of the user's own that resembles none
+    (``+model.net.width=32``, ``+notes=...``) is left alone, and ``+sweep=`` names a
+    group."""
     import difflib
+
+    from omegaconf import OmegaConf
 
     from remat.config import config_dir
 
     added = [o.split("=", 1)[0][1:] for o in overrides
              if o.startswith("+") and not o.startswith("++") and "=" in o]
-    # top-level keys only; +sweep=ablation names a config group
-    added = [k for k in added if "." not in k and not (config_dir() / k).is_dir()]
-    keys = [str(k) for k in cfg.keys() if str(k) != "hydra" and str(k) not in added]
+    lines = []
     for key in added:
-        near = difflib.get_close_matches(key, keys, n=2, cutoff=0.75)
+        parent, _, leaf = key.rpartition(".")
+        if not parent and (config_dir() / key).is_dir():
+            continue
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if not hasattr(node, "keys"):
+            continue
+        # the config's own keys there: not this one nor the others the command line adds
+        keys = [str(k) for k in node.keys() if str(k) != "hydra"
+                and f"{parent}.{k}".lstrip(".") not in added]
+        near = difflib.get_close_matches(leaf, keys, n=2, cutoff=0.75)
+        twin = {"image_size": "patch_size", "patch_size": "image_size"}.get(leaf)
+        near = [twin] if twin in keys else near
         if near:
-            return (f"+{key}: not a key of the config, so nothing reads it; did you mean "
-                    f"{' or '.join(f'{k}=...' for k in near)} (no '+')?")
-    return None
+            prefix = f"{parent}." if parent else ""
+            lines.append(f"+{key}: not a key of the config, so nothing reads it; did you "
+                         f"mean {' or '.join(f'{prefix}{k}=...' for k in near)} (no '+')?")
+    return lines
 
 
 def exit_on_unknown_key(config_name: str) -> None:

@@ -38,6 +38,7 @@ from remat.prediction import (
     check_output,
     list_inputs,
     mask_format,
+    refuse_output_inside,
     stale_files,
 )
 from remat.run_config import apply_run_config, run_config_path, run_group_args
@@ -69,6 +70,7 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
     run = OmegaConf.load(run_path) if run_path is not None else None
     cfg = apply_run_config(cfg, run, run_path, RUN_KEYS)
     output = Path(str(cfg.output)).expanduser()
+    refuse_output_inside(cfg.input, output)  # before "holds files": overwrite would not do
     held = check_output(output, bool(cfg.get("overwrite", False)))
     model = instantiate(cfg.model)
     if not isinstance(model, SegmentationModule):
@@ -85,8 +87,7 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
                          "file dataset (data=folder, kvasir_seg, ...) or give data=<one>")
     volumes = hasattr(datamodule, "restore_labels")  # data=msd/volumes: NIfTI (.npy) out
     suffixes = getattr(datamodule, "input_suffixes", IMAGE_SUFFIXES)
-    paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes,
-                               exclude=output)
+    paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes)
     kind, colours = ("nifti", None) if volumes else mask_format(
         datamodule, int(model.hparams.num_classes), str(cfg.get("format", "auto")))
     dataset = datamodule.predict_dataset(paths, names)

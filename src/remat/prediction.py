@@ -40,9 +40,23 @@ def _strip(name: str, suffixes: Sequence[str]) -> str:
     return name
 
 
+def refuse_output_inside(source: str | Path, output: str | Path) -> None:
+    """Refuse an ``output`` folder inside (or equal to) the ``source`` folder: a later run
+    on that folder would predict on this run's masks as images.
+
+    Raises:
+        ValueError: names both settings.
+    """
+    path = Path(str(source)).expanduser()
+    if path.is_dir() and Path(str(output)).expanduser().resolve().is_relative_to(
+            path.resolve()):
+        raise ValueError(f"output={output} lies inside input={source}: a later predict on "
+                         "that folder would read these masks as images; give an output "
+                         "folder outside it")
+
+
 def list_inputs(source: str | Path, pattern: str = "**/*",
-                suffixes: Sequence[str] = IMAGE_SUFFIXES, exclude: Path | None = None
-                ) -> tuple[list[Path], list[str]]:
+                suffixes: Sequence[str] = IMAGE_SUFFIXES) -> tuple[list[Path], list[str]]:
     """The image files to predict and their output names.
 
     Args:
@@ -51,14 +65,11 @@ def list_inputs(source: str | Path, pattern: str = "**/*",
             :data:`IMAGE_SUFFIXES`; volumes: ``.nii.gz``, ``.nii``). Names are the paths
             below the folder without the suffix (``site1/case3``); a single file's name is
             its name without the suffix.
-        exclude: the output folder: refused when it lies inside a ``source`` folder, where
-            a later run on that folder would predict on this run's masks as images.
 
     Raises:
         FileNotFoundError: ``source`` does not exist, or the folder holds no image (names
             the folder, the glob and the suffixes looked for).
-        ValueError: two files give one name (``a.png`` and ``a.jpg``); ``exclude`` inside
-            (or equal to) a ``source`` folder.
+        ValueError: two files give one name (``a.png`` and ``a.jpg``).
     """
     path = Path(str(source)).expanduser()
     suffixes = tuple(s.lower() for s in suffixes)
@@ -67,10 +78,6 @@ def list_inputs(source: str | Path, pattern: str = "**/*",
     if not path.is_dir():
         raise FileNotFoundError(f"input={source}: no such file or folder (give a folder of "
                                 "images or one image file)")
-    if exclude is not None and exclude.expanduser().resolve().is_relative_to(path.resolve()):
-        raise ValueError(f"output={exclude} lies inside input={source}: a later predict on "
-                         "that folder would read these masks as images; give an output "
-                         "folder outside it")
     files = sorted(p for p in path.glob(pattern) if p.is_file()
                    and p.name.lower().endswith(suffixes) and not p.name.startswith("."))
     if not files:

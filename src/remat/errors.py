@@ -98,15 +98,15 @@ def unimportable_target(err: BaseException) -> ImportError | None:
     return new
 
 
-def _closest(name: str, names: list[str]) -> list[str]:
-    """Up to three of ``names`` closest to ``name`` (difflib), the size key of the other kind
-    of dataset first: ``image_size`` (synthetic data, whole images) for ``patch_size``
-    (file datasets, random crops) and back."""
+def _closest(name: str, names: list[str], n: int = 3, cutoff: float = 0.5) -> list[str]:
+    """Up to ``n`` of ``names`` closest to ``name`` (difflib, ``cutoff``), the size key of
+    the other kind of dataset first: ``image_size`` (synthetic data, whole images) for
+    ``patch_size`` (file datasets, random crops) and back."""
     import difflib
 
-    near = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    near = difflib.get_close_matches(name, names, n=n, cutoff=cutoff)
     twin = {"image_size": "patch_size", "patch_size": "image_size"}.get(name)
-    return [twin, *[n for n in near if n != twin]][:3] if twin in names else near
+    return [twin, *[k for k in near if k != twin]][:n] if twin in names else near
 
 
 _UNEXPECTED = re.compile(r"got an unexpected keyword argument '([^']+)'")
@@ -315,7 +315,6 @@ def _added_like_a_key(cfg: Any, overrides: list[str]) -> list[str]:
     default size: nothing reads them); a key of the user's own that resembles none
     (``+model.net.width=32``, ``+notes=...``) is left alone, and ``+sweep=`` names a
     group."""
-    import difflib
 
     from omegaconf import OmegaConf
 
@@ -334,9 +333,7 @@ def _added_like_a_key(cfg: Any, overrides: list[str]) -> list[str]:
         # the config's own keys there: not this one nor the others the command line adds
         keys = [str(k) for k in node.keys() if str(k) != "hydra"
                 and f"{parent}.{k}".lstrip(".") not in added]
-        near = difflib.get_close_matches(leaf, keys, n=2, cutoff=0.75)
-        twin = {"image_size": "patch_size", "patch_size": "image_size"}.get(leaf)
-        near = [twin] if twin in keys else near
+        near = _closest(leaf, keys, n=2, cutoff=0.75)  # closer than a key of one's own
         if near:
             prefix = f"{parent}." if parent else ""
             lines.append(f"+{key}: not a key of the config, so nothing reads it; did you "

@@ -60,8 +60,8 @@ def fixed_points(planner: Planner, build: Any, default_stages: list[str]) -> lis
     # model.stages=auto (no stages listed): the default stages are the found units, the
     # whole network's rows; building on an empty list wrapped nothing and named only that.
     # Stages naming every unit (a GPT's `blocks`) give the whole network's rows again: once
-    same = planner._staged_blocks(default_stages) == {p: None for p in whole}
-    sets = [("default stages", default_stages)] if default_stages and not same else []
+    sets = ([("default stages", default_stages)]
+            if default_stages and not planner.names_every_unit(default_stages) else [])
     for first, (stages_label, stages) in enumerate([*sets, ("whole network", whole)]):
         def build_on(s: Any, st: list[str] = stages) -> Any:
             return build(s, st)

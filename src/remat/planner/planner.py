@@ -495,8 +495,8 @@ class Planner:
         whole = [u.path for u in self.profile.units]
         sets = [("whole network", {p: None for p in whole})]
         staged = self._staged_blocks(default_stages)
-        if staged is not None and staged != sets[0][1]:  # else the same plans as the whole
-            sets.append(("default stages", staged))
+        if staged is not None and not self.names_every_unit(default_stages):  # else the
+            sets.append(("default stages", staged))  # same plans as the whole network's
         fixed = [(label, build_strategy(name, **kwargs)) for label, name, kwargs in FIXED_POINTS
                  if name != "none"]
         out = []
@@ -516,6 +516,11 @@ class Planner:
                     choice[u.path] = self._option(u.path, segments)
                 out.append((f"{name} ({label})", self._plan_of(choice)))
         return out
+
+    def names_every_unit(self, stages: Sequence[str]) -> bool:
+        """Whether ``stages`` name every candidate unit and nothing else (a GPT's
+        ``blocks``): a fixed strategy on them is the same as on the whole network."""
+        return self._staged_blocks(stages) == {u.path: None for u in self.profile.units}
 
     def _staged_blocks(self, stages: Sequence[str]) -> dict[str, set[int] | None] | None:
         """Unit path -> None where a stage pattern names the unit, else the indices of its

@@ -123,6 +123,10 @@ def test_each_entry_point_names_a_key_its_config_lacks(entry, args, choice, monk
     ("estimate", ["+data.image_sise=32"], "+data.image_sise: not a key of the config, so "
                                           "nothing reads it; did you mean data.image_size"),
     ("plan", ["+strategy.memry=1GiB"], "did you mean strategy.memory=..."),
+    # a swept key, checked at its first value (was Hydra's message for the first value)
+    ("train", ["-m", "data.imge_size=32,64"], "data.imge_size: data=synthetic_seg has no "
+                                              "key 'imge_size'; did you mean data.image_size"),
+    ("train", ["-m", "strategy=none,sqrtn", "+seeed=range(1,3)"], "did you mean seed"),
 ])
 def test_unknown_keys_of_every_kind_are_one_line(entry, args, said):
     from remat.errors import unknown_key
@@ -135,7 +139,8 @@ def test_unknown_keys_leave_good_commands_and_sweeps_to_hydra():
 
     assert unknown_key("train", ["data=folder", "data.patch_size=64"]) is None
     assert unknown_key("train", ["+notes=first try"]) is None  # a key of one's own
-    assert unknown_key("train", ["data.imge_size=32,64"]) is None  # a swept key: Hydra's
+    assert unknown_key("train", ["-m", "data.image_size=32,64", "strategy=none,sqrtn"]) is None
+    assert unknown_key("train", ["-m", "data.image_size=interval(32,64)"]) is None  # Hydra's
     assert unknown_key("train", ["-m", "+sweep=ablation"]) is None  # a group
     # a custom net's arguments, each beside the others the command line adds
     assert unknown_key("train", ["model=custom", "model.net._target_=m.Net",

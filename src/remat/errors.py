@@ -235,8 +235,8 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
     precision?), and keys added with ``+`` that misspell one the config has
     (``+precison=bf16-mixed``, ``+data.image_sise=32``: nothing would read them). None
     when every key is known, or the command line fails otherwise (Hydra reports that), or
-    holds options this check leaves to Hydra. In a multirun (``-m``) the swept keys are
-    left to Hydra and the others checked.
+    holds options this check leaves to Hydra. In a multirun (``-m``) a swept key is
+    checked at its first value (a ``glob``/``interval`` sweep is left to Hydra).
 
     Args:
         config_name: the primary config (``train``, ``plan``, ``estimate``).
@@ -256,7 +256,11 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception:  # noqa: BLE001 - a malformed override: Hydra says what is wrong
         return None
-    overrides = [o for o, p in zip(overrides, parsed, strict=True) if not p.is_sweep_override()]
+    # a swept key is checked at its first value (data.imge_size=32,64 names image_size);
+    # a sweep that does not enumerate (glob, interval) is left to Hydra
+    overrides = [o if not p.is_sweep_override() else _first_of_sweep(p)
+                 for o, p in zip(overrides, parsed, strict=True)]
+    overrides = [o for o in overrides if o is not None]
 
     def composed(given: list[str]) -> Any:
         with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
@@ -285,6 +289,16 @@ def unknown_key(config_name: str, args: list[str]) -> str | None:
     lines = [_missing_key(cfg, key, config_name) for key in unknown]
     lines += _added_like_a_key(cfg, given)
     return "; ".join(lines) if lines else None
+
+
+def _first_of_sweep(override: Any) -> str | None:
+    """``key=<first value>`` of a parsed sweep override (``+x=1,2`` -> ``+x=1``), or
+    ``None`` where Hydra cannot list its values here (``glob``, ``interval``)."""
+    try:
+        first = next(iter(override.sweep_string_iterator()))
+    except Exception:  # noqa: BLE001 - Hydra's own sweep types it enumerates only itself
+        return None
+    return f"{override.get_key_element()}={first}"
 
 
 def _missing_key(cfg: Any, key: str, config_name: str) -> str:

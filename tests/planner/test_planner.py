@@ -233,6 +233,10 @@ def test_infeasible_budget_says_the_floor_and_what_would_fit(gpt):
         planner.plan(int(floor.allocator_peak * 0.97))
     text = str(err.value)
     assert "no plan fits" in text and "smallest peak" in text
+    # planned for the CPU: the allocator's peak, and the tensors' a CPU run reports beside it
+    assert floor.allocator_peak > floor.peak_bytes
+    assert (f"is {format_bytes(floor.allocator_peak)} ({format_bytes(floor.peak_bytes)} of "
+            "it tensors, the peak a CPU run reports;") in text
     assert "parameters" in text and "optimizer_state" in text
     assert "largest unit" in text
     # the smaller shapes offered were traced with the floor's plan and fit (a scaled guess

@@ -270,7 +270,10 @@ def test_resuming_from_another_models_checkpoint_gives_one_clear_message(tmp_pat
 def test_resuming_with_more_epochs_trains_on_the_longer_schedule(tmp_path, caplog):
     """Training further (README): the restored T_max=1 cosine had reached 0, so the added
     epoch trained at learning rate 0; it follows the 2-epoch cosine (half the base rate)."""
-    first = train(compose_train(tmp_path / "a", TINY))
+    with caplog.at_level(logging.INFO):
+        first = train(compose_train(tmp_path / "a", TINY))
+    # the run's checkpoint writes (one a step is allowed) gave Lightning's info line each
+    assert "wrote " in caplog.text and "weights_only" not in caplog.text
     with caplog.at_level(logging.INFO, logger="remat"):
         done = train(compose_train(tmp_path / "b", [*TINY, "trainer.max_epochs=2",
                                                     f"ckpt_path={first['last_model_path']}"]))

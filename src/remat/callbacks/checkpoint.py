@@ -178,7 +178,9 @@ class LastCheckpoint(Checkpoint):
             return
         if not self._trained:
             return  # nothing trained in this fit (a resume at the end): last.ckpt stays as it is
-        trainer.save_checkpoint(self.path)
+        # the whole state (optimizer, loops, callbacks): a resume needs it; said explicitly,
+        # Lightning logs a line per write otherwise ('weights_only was not set')
+        trainer.save_checkpoint(self.path, weights_only=False)
         self._saved_at, self.saved_step = key, trainer.global_step
         if trainer.is_global_zero:  # every rank takes part; one line in the log
             log.info("wrote %s (epoch %d, global step %d, %s)", self.path,

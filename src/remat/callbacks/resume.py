@@ -222,9 +222,10 @@ class ResumeState(L.Callback):
     step or later (:meth:`remat.loggers.CSVLogger.set_aside_steps_from`): after a kill
     without a checkpoint (SIGKILL, out of memory) they are steps this run trains again.
 
-    Exact for loaders without workers (``data.num_workers=0``). With workers, the order and
-    position are restored, but not the RNG inside persistent workers, nor (for a resume
-    inside an epoch) the worker seeds of that epoch. Needs a datamodule
+    Exact for remat's train loaders with any ``data.num_workers``: each sample's random
+    draws start from a seed drawn with the epoch's order (:mod:`remat.data.seeding`). A
+    loader of one's own gets its order and position back, and with workers not the RNG
+    inside them (persistent workers carry theirs on from the epoch's start). Needs a datamodule
     (``trainer.fit(datamodule=...)``) whose train loader has a ``BatchSampler``: its
     ``train_dataloader`` is wrapped for the fit and unwrapped after.
     """

@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchvision.io import ImageReadMode, decode_image, read_file
+
+from remat.data.seeding import SeededSamples, SeededShuffle
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec and warns on every call;
 # the decoders still work, so keep the per-sample warning out of training logs.
@@ -162,22 +164,25 @@ def make_loader(
 ) -> DataLoader:
     """Build the project's standard ``DataLoader``.
 
-    Train loaders shuffle with a ``torch.Generator`` seeded by ``seed`` (reproducible order,
-    and reproducible worker seeds) and drop the last partial batch only when the dataset is
-    larger than ``batch_size``; eval loaders keep order and every sample. Workers persist
-    between epochs when ``num_workers > 0``.
+    Train loaders shuffle with a ``torch.Generator`` seeded by ``seed``, which also draws a
+    seed for every sample of an epoch that its random draws start from
+    (:mod:`remat.data.seeding`: the same augmentation with any ``num_workers``, and after a
+    resume), and drop the last partial batch only when the dataset is larger than
+    ``batch_size``; eval loaders keep order and every sample. Workers persist between
+    epochs when ``num_workers > 0``.
     """
     drop_last = train and len(dataset) > batch_size
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=train,
-        drop_last=drop_last,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,
-        pin_memory=pin_memory,
-        generator=torch.Generator().manual_seed(seed) if train else None,
-    )
+    common = {"batch_size": batch_size, "drop_last": drop_last, "num_workers": num_workers,
+              "persistent_workers": num_workers > 0, "pin_memory": pin_memory}
+    if not train or isinstance(dataset, IterableDataset):
+        return DataLoader(dataset, shuffle=train, **common)
+    # the loader draws its workers' base seed from a generator of its own, once per
+    # iterator (each epoch without workers, once with persistent ones): from the shuffle's,
+    # it would move the epoch orders apart between num_workers=0 and >0; from the global
+    # RNG, the dropout draws
+    return DataLoader(SeededSamples(dataset),
+                      sampler=SeededShuffle(len(dataset), torch.Generator().manual_seed(seed)),
+                      generator=torch.Generator().manual_seed(seed), **common)
 
 
 # ----------------------------------------------------------------------------- any image

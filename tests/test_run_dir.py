@@ -4,6 +4,8 @@ console scripts."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from importlib import import_module
@@ -150,3 +152,30 @@ def test_refusing_a_failed_runs_folder_without_a_checkpoint_does_not_offer_a_res
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
     with pytest.raises(SystemExit, match=r"resume it with ckpt_path=.*last.ckpt"):
         _refuse_overwrite(OmegaConf.create({}), str(tmp_path))
+
+
+def test_a_killed_runs_forked_children_do_not_hold_its_folder(tmp_path):
+    """A run's DataLoader workers are forked from it: killed with kill -9, its orphaned
+    workers held the lock for the seconds they take to notice, and a resume at once was
+    refused, naming the dead run's pid."""
+    code = ("import multiprocessing as mp, os, time; from remat.callbacks import claim_run_dir\n"
+            f"claim_run_dir({str(tmp_path / 'x')!r})\n"
+            "child = mp.get_context('fork').Process(target=time.sleep, args=(60,))\n"
+            "child.start(); print(child.pid, flush=True); time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(),
+                              stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(RunDirInUse):  # the run itself holds it
+            claim_run_dir(tmp_path / "x")
+        holder.kill()
+        holder.wait()
+        os.kill(child, 0)  # the orphan lives on
+        claim_run_dir(tmp_path / "x")  # and the folder is free
+        release_run_dir(tmp_path / "x")
+    finally:
+        holder.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

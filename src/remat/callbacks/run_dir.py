@@ -2,7 +2,8 @@
 written into the folder.
 
 :func:`claim_run_dir` takes an exclusive ``flock`` on ``<folder>/.lock`` (released by the
-kernel when the process ends, however it ends, so a killed run never leaves a stale lock).
+kernel when the process ends, however it ends, so a killed run never leaves a stale lock;
+processes forked from the run, DataLoader workers, close their copy at once).
 :class:`RunDirLock` is a Hydra callback that claims ``hydra.run.dir`` in ``on_run_start``
 and ``hydra.sweep.dir`` in ``on_multirun_start``, before Hydra writes ``.hydra/`` or a log
 file there; :func:`remat.train.train` claims its output folder too (the same process may
@@ -84,6 +85,25 @@ def claim_run_dir(path: str | Path) -> Path:
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
     _held[key] = [fd, 1]
     return folder
+
+
+def _forget_claims_in_child() -> None:
+    """In a process forked from a run (a DataLoader worker): close its copies of the lock
+    files. A ``flock`` stays held while any copy of its descriptor is open, so workers
+    orphaned by a killed run held the folder for the seconds they take to notice (a resume
+    right after ``kill -9`` was refused, naming the dead run's pid); the child is not the
+    run and claims nothing."""
+    for fd, _ in _held.values():
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_claims_in_child)
 
 
 def release_run_dir(path: str | Path) -> None:

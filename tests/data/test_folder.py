@@ -450,3 +450,25 @@ def test_a_csv_row_with_an_empty_cell_names_its_line(tmp_path):
             f"data.pairs={csv} line 3: the mask column is empty; every row names an image "
             "and its mask file")):
         FolderSegDataModule(tmp_path, pairs=csv, patch_size=16).setup("fit")
+
+
+def test_images_that_auto_would_normalise_two_ways_are_refused(tmp_path):
+    """8-bit PNGs (ImageNet statistics) beside 16-bit TIFFs (each image's own) under
+    data.normalize=auto: the same picture reached the network two ways, silently."""
+    labels = write_folder(tmp_path, n=4, encoding="255")
+    for name in list(labels)[2:]:
+        png = tmp_path / "images" / f"{name}.png"
+        tifffile.imwrite(tmp_path / "images" / f"{name}.tif",
+                         np.asarray(Image.open(png)).astype(np.uint16) * 257)
+        png.unlink()
+    dm = FolderSegDataModule(tmp_path, patch_size=16, val_fraction=0.25)
+    with pytest.raises(DataCheckError, match=(
+            r"the images are of 2 kinds that data.normalize=auto normalises differently: "
+            r"2 are 16-bit, float or of another channel count: each by its own mean and std "
+            r"\(e.g. case2.tif\); 2 are 8-bit with 1 or 3 channels: ImageNet mean and std "
+            r"\(e.g. case0.png\); the network would see .* Set "
+            r"data.normalize=image")):
+        dm.setup("fit")
+    # one way for all of them: trained as asked
+    for how in ("image", "imagenet"):
+        FolderSegDataModule(tmp_path, patch_size=16, val_fraction=0.25, normalize=how).setup("fit")

@@ -13,11 +13,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from remat.data.io import make_loader
@@ -213,6 +214,11 @@ class FileSegDataModule(SplitDataModule):
         """A picklable ``path -> [C, H, W]`` reader replacing the 8-bit one, or None."""
         return None
 
+    def image_kind(self) -> Callable[[torch.Tensor], str] | None:
+        """``decoded image -> how the datasets treat it``, where images of one dataset may
+        be treated differently (a data check then refuses a mix), or None."""
+        return None
+
     def predict_dataset(self, paths: Sequence[Path], names: Sequence[str]) -> Dataset:
         """Images without masks, read and normalised as this dataset's evaluation images are
         (whole, at their own size), for ``remat.predict``: items ``{"image": float32
@@ -326,7 +332,8 @@ class FileSegDataModule(SplitDataModule):
             verify_pairs(pairs, self.image_mode, self.mask_decoder(), title=title,
                          image_reader=self.image_reader(),
                          splits={k: self.splits[k] for k in todo},
-                         ignore_index=self.ignore_index, class_names=self.class_names)
+                         ignore_index=self.ignore_index, class_names=self.class_names,
+                         image_kind=self.image_kind())
         else:
             if self.verify == "auto":
                 log.info("data.verify=auto: %s (%s) holds %d files (more than %d), so they "

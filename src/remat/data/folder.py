@@ -159,6 +159,13 @@ class Normalize:
             return not (raw_dtype == torch.uint8 and channels in (1, 3))
         return self.how == "image"
 
+    def auto_kind(self, image: torch.Tensor) -> str:
+        """How ``auto`` treats a decoded image ``[C, H, W]``, in words (the data check's
+        message names the two kinds it found)."""
+        if self.per_image(image.dtype, image.shape[0]):
+            return "are 16-bit, float or of another channel count: each by its own mean and std"
+        return "are 8-bit with 1 or 3 channels: ImageNet mean and std"
+
     def __call__(self, image: torch.Tensor, raw_dtype: torch.dtype,
                  stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Normalise ``image`` (already scaled by :meth:`scale`) decoded as ``raw_dtype``;
@@ -672,6 +679,12 @@ class FolderSegDataModule(PatchSegDataModule):
     def image_reader(self) -> FolderImages:
         """:func:`remat.data.io.read_any_image` with ``data.image_mode``."""
         return FolderImages(self.image_mode)
+
+    def image_kind(self) -> Callable[[torch.Tensor], str] | None:
+        """Under ``data.normalize=auto``, how :class:`Normalize` treats a decoded image:
+        ImageNet statistics or its own (a folder of 8-bit PNGs and 16-bit TIFFs trained
+        with the same picture normalised two ways, silently); None otherwise."""
+        return self.normalizer.auto_kind if self.normalizer.how == "auto" else None
 
     @property
     def in_channels(self) -> int:

@@ -138,18 +138,21 @@ def check_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
 
 
 def inspect_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
-                 image_reader: ImageReader | None = None
-                 ) -> tuple[list[DataFileError], torch.Tensor | None]:
-    """:func:`check_pair` plus the mask's label counts.
+                 image_reader: ImageReader | None = None,
+                 image_kind: Callable[[torch.Tensor], str] | None = None
+                 ) -> tuple[list[DataFileError], torch.Tensor | None, str | None]:
+    """:func:`check_pair` plus the mask's label counts and the image's kind.
 
     Returns:
-        ``(problems, counts)``: every problem of the pair's files, including what the mask
-        decoder's ``encoding_problem(path)`` (if it has one) finds in the raw file; and
+        ``(problems, counts, kind)``: every problem of the pair's files, including what the
+        mask decoder's ``encoding_problem(path)`` (if it has one) finds in the raw file;
         int64 ``[256]`` pixel counts per decoded mask value inside the region of interest
-        (None when the mask could not be decoded).
+        (None when the mask could not be decoded); ``image_kind`` of the decoded image
+        (None without one, or when the image could not be decoded).
     """
     problems: list[DataFileError] = []
-    _, mask, valid = _decode(pair, image_mode, decode_mask, problems, image_reader)
+    image, mask, valid = _decode(pair, image_mode, decode_mask, problems, image_reader)
+    kind = image_kind(image) if image_kind is not None and image is not None else None
     counts = None
     if mask is not None:
         values = mask if valid is None or valid.shape != mask.shape else mask[valid]
@@ -158,4 +161,4 @@ def inspect_pair(pair: ImageMaskPair, image_mode: str, decode_mask: MaskDecoder,
         note = check(pair.mask) if check is not None else None
         if note:
             problems.append(DataFileError(path=pair.mask, problem=note))
-    return problems, counts
+    return problems, counts, kind

@@ -14,8 +14,9 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -131,10 +132,24 @@ def _label_problem(split: str, masks: int, counts: torch.Tensor, ignore_index: i
         problem=f"the {split} split has no foreground")
 
 
+def _kinds_problem(kinds: Mapping[str, list[Path]]) -> DataFileError:
+    """The problem of a dataset whose images the datasets treat in different ways."""
+    parts = []
+    for kind, paths in sorted(kinds.items(), key=lambda item: (-len(item[1]), item[0])):
+        first = min(paths, key=lambda p: natural_key(str(p)))
+        parts.append(f"{len(paths)} {kind} (e.g. {first.name})")
+    return DataFileError(f"the images are of {len(kinds)} kinds that data.normalize=auto "
+                         f"normalises differently: {'; '.join(parts)}; the network would "
+                         "see the same picture differently by its file format. Set "
+                         "data.normalize=image (every image by its own mean and std), "
+                         "imagenet, or {mean: [...], std: [...]} for all of them")
+
+
 def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: MaskDecoder,
                  *, title: str, progress: bool = True, image_reader: ImageReader | None = None,
                  splits: Mapping[str, Sequence[str]] | None = None,
-                 ignore_index: int = 255, class_names: Sequence[str] = ()) -> int:
+                 ignore_index: int = 255, class_names: Sequence[str] = (),
+                 image_kind: Callable[[torch.Tensor], str] | None = None) -> int:
     """Decode every file of ``pairs`` once, as the datasets will (see
     :func:`remat.data.pairs.inspect_pair`; up to 4 threads), with a progress bar on a
     terminal, and check the labels.
@@ -154,6 +169,9 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
             as one class) is a problem.
         ignore_index: the mask value that is no class.
         class_names: names of the classes, for messages.
+        image_kind: ``decoded image -> kind``, where the datasets treat images of different
+            kinds differently (``data.normalize=auto``: 8-bit RGB by ImageNet statistics,
+            16-bit by each image's own); images of more than one kind are a problem.
 
     Returns:
         The number of files checked.
@@ -166,17 +184,20 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
     start = time.perf_counter()
     problems: list[DataFileError] = []
     counts: dict[str, torch.Tensor] = {}
+    kinds: dict[str, list[Path]] = {}  # image kind -> its images
     files = sum(len(pair.files) for pair in pairs)
     # Decoding and reading release the GIL: a few threads overlap file reads with decoding.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         found = pool.map(lambda pair: inspect_pair(pair, image_mode, decode_mask,
-                                                   image_reader), pairs)
-        for pair, (pair_problems, pair_counts) in zip(pairs, tqdm(
+                                                   image_reader, image_kind), pairs)
+        for pair, (pair_problems, pair_counts, kind) in zip(pairs, tqdm(
                 found, total=len(pairs), desc="data check", unit="pair", leave=False,
                 disable=None if progress else True), strict=True):
             problems += pair_problems
             if pair_counts is not None:
                 counts[pair.name] = pair_counts
+            if kind is not None:
+                kinds.setdefault(kind, []).append(pair.image)
     problems.sort(key=lambda p: natural_key(str(p.path)))  # the same order on every run
     for split, names in (splits or {}).items():
         decoded = [counts[n] for n in names if n in counts]
@@ -185,14 +206,19 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
                                      class_names)
             if problem is not None:
                 problems.append(problem)
+    mixed = _kinds_problem(kinds) if len(kinds) > 1 else None
     seconds = time.perf_counter() - start
     if problems:
         bad = len({p.path for p in problems if p.path is not None})
         splits_bad = sum(p.path is None for p in problems)
         head = f"{bad} of {files} files cannot be used" + (
             f" and {splits_bad} split(s) have no foreground" if splits_bad else "")
+        lines = problem_lines(problems) + ([f"  - {mixed}"] if mixed is not None else [])
         raise DataCheckError(
             f"data check of {title}: {head} (set data.verify=false to skip this check and "
-            "meet them when they are read):\n" + "\n".join(problem_lines(problems)), problems)
+            "meet them when they are read):\n" + "\n".join(lines),
+            problems + ([mixed] if mixed is not None else []))
+    if mixed is not None:
+        raise DataCheckError(f"data check of {title}: {mixed}", [mixed])
     log.info("data check of %s: %d files decoded in %.1f s, none bad", title, files, seconds)
     return files

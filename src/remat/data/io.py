@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchvision.io import ImageReadMode, decode_image, read_file
 
@@ -27,6 +27,7 @@ _CODEC_DEPRECATION = "The image decoding and encoding capabilities of TorchVisio
 _PIL_SUFFIXES = {".tif", ".tiff", ".gif"}
 _PIL_MODES = {ImageReadMode.RGB: "RGB", ImageReadMode.GRAY: "L"}
 _PIL_16BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
+_EXIF_ORIENTATION = 0x0112  # the EXIF tag of how a stored image is turned for viewing
 _FORMATS = {".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".tif": "TIFF", ".tiff": "TIFF",
             ".gif": "GIF", ".bmp": "BMP", ".webp": "WebP"}
 
@@ -67,9 +68,18 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def _upright(img: Image.Image) -> Image.Image:
+    """``img`` turned as its EXIF orientation tag says (as viewers and annotation tools
+    show it; masks are drawn on that view), or itself without one."""
+    if img.getexif().get(_EXIF_ORIENTATION, 1) in (None, 1):
+        return img
+    return ImageOps.exif_transpose(img)
+
+
 def _read_with_pillow(path: Path, mode: ImageReadMode, expected: str) -> torch.Tensor:
     try:
-        with Image.open(path) as img:
+        with Image.open(path) as opened:
+            img = _upright(opened)
             if img.mode in _PIL_16BIT_MODES:  # 16-bit grey: keep the values, never clip
                 array = np.asarray(img).astype(np.int64)
                 if array.min() < 0 or array.max() > 65535:
@@ -106,7 +116,9 @@ def _decode(path: str | Path, mode: ImageReadMode, expected: str) -> torch.Tenso
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", _CODEC_DEPRECATION, DeprecationWarning)
         try:
-            return decode_image(read_file(str(path)), mode=mode)
+            # turned as the EXIF orientation says: as viewers, and annotation tools,
+            # show the photo (a phone's portrait JPEG is stored sideways)
+            return decode_image(read_file(str(path)), mode=mode, apply_exif_orientation=True)
         except (RuntimeError, ValueError) as err:
             raise DataFileError(path=path, problem=f"cannot be decoded ({_first_line(err)})",
                                 expected=expected) from err
@@ -228,7 +240,8 @@ def _tiff_array(path: Path, expected: str) -> np.ndarray:
 def _pillow_array(path: Path, expected: str) -> np.ndarray:
     """``[C, H, W]`` of an image read with Pillow: uint8, uint16 (16-bit grey) or float32."""
     try:
-        with Image.open(path) as img:
+        with Image.open(path) as opened:
+            img = _upright(opened)
             if img.mode in _PIL_16BIT_MODES or img.mode == "F":
                 array = np.asarray(img)
             elif img.mode in ("L", "RGB", "RGBA"):

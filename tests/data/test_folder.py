@@ -297,6 +297,13 @@ def test_globs_pair_names_with_suffixes_and_subfolders(tmp_path):
      r"data.class_names \['background', 'road'\] and the names data.colors gives its colours "
      r"\['bg', 'road'\] disagree"),
     ({"normalize": "zscore"}, "data.normalize must be one of"),
+    # accepted and never read before (trial)
+    ({"mask_encoding": "index", "num_classes": 3, "ignore_colors": ["#FFFFFF"]},
+     "data.ignore_colors is set but data.mask_encoding=index"),
+    ({"mask_encoding": "index", "num_classes": 3, "foreground_classes": [5],
+      "foreground_prob": 0.5}, r"data.foreground_classes=\[5\]: \[5\] not a class; the "
+                               r"classes are 0..2"),
+    ({"foreground_classes": [2], "foreground_prob": 0.5}, "the classes are 0..1"),
 ])
 def test_bad_settings_name_the_key(options, match):
     with pytest.raises(ValueError, match=match):

@@ -588,6 +588,10 @@ class FolderSegDataModule(PatchSegDataModule):
         elif colors:
             raise ValueError(f"data.colors is set but data.mask_encoding={mask_encoding}; "
                              "use data.mask_encoding=colors")
+        if ignore_colors and mask_encoding != "colors":  # read by the colour table only
+            raise ValueError(f"data.ignore_colors is set but data.mask_encoding="
+                             f"{mask_encoding}; use data.mask_encoding=colors (for label maps "
+                             "the value that is no class is data.ignore_index)")
         self.ignore_colours = [parse_colour(c, f"data.ignore_colors[{i}]")
                                for i, c in enumerate(ignore_colors or ())]
         if num_classes is None or isinstance(num_classes, bool) or \

@@ -153,8 +153,9 @@ class PatchSegDataModule(FileSegDataModule):
             ``split_file``, ``limit_train``, ``limit_val``, ``verify``).
 
     Raises:
-        ValueError: a bad ``patch_size``, ``patches_per_image``, ``foreground_prob`` or any
-            option of the base; naming the ``data.`` key.
+        ValueError: a bad ``patch_size``, ``patches_per_image``, ``foreground_prob``,
+            ``foreground_classes`` (a class outside ``num_classes``) or any option of the
+            base; naming the ``data.`` key.
     """
 
     def __init__(self, root: str | Path | None, patch_size: int | Sequence[int] = 256,
@@ -165,6 +166,12 @@ class PatchSegDataModule(FileSegDataModule):
         self.patch_size = as_pair(patch_size, "data.patch_size")
         if foreground_classes is None:
             foreground_classes = (1,) if self.num_classes == 1 else range(self.num_classes)
+        classes = 2 if self.num_classes == 1 else self.num_classes  # binary: 0 and 1
+        outside = [c for c in foreground_classes if not 0 <= int(c) < classes]
+        if outside:  # a patch centred on a class no mask holds: never drawn, silently
+            raise ValueError(f"data.foreground_classes={list(foreground_classes)}: "
+                             f"{outside} not a class; the classes are 0..{classes - 1} "
+                             f"(data.num_classes={self.num_classes})")
         self.sampler = PatchSampler(self.patch_size, foreground_prob, foreground_classes)
         if patches_per_image < 1:
             raise ValueError(f"data.patches_per_image must be >= 1, got {patches_per_image}")

@@ -169,3 +169,18 @@ def test_eval_and_predict_refuse_a_data_key_the_runs_data_lacks(tmp_path):
         "data=synthetic_seg", "model=unet_resnet18"]
     # a key the run's saved config lacks but today's synthetic_seg has (a newer setting)
     assert run_group_args([ckpt, "data.num_train=3"])[-1] == "data.num_train=3"
+
+
+def test_a_seed_typed_on_a_resume_is_set_back_and_said(tmp_path, caplog):
+    """The resume goes on from the checkpoint's random state: seed=7 drew nothing (every
+    loss was seed 42's) while summary.json recorded 7."""
+    from remat.runs import RunStart
+
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(OmegaConf.create({"seed": 42, "precision": "32-true"}), run / "config.yaml")
+    cfg = OmegaConf.create({"seed": 7, "precision": "32-true"})
+    with caplog.at_level("WARNING", logger="remat.runs"):
+        RunStart(run, source=run, typed=("seed=7",)).rebuild(cfg)
+    assert cfg.seed == 42
+    assert "seed=7 has no effect on a resume" in caplog.text and "stays 42" in caplog.text

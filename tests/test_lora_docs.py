@@ -114,7 +114,7 @@ def test_budget_then_resume_from_the_command_line(tmp_path, base_run):
                        f"hydra.run.dir={tmp_path / 'reference'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = json.loads((tmp_path / "reference" / "summary.json").read_text())
-    assert reference["strategy"] == "plan" and reference["global_step"] == 4
+    assert reference["strategy"] == "budget" and reference["global_step"] == 4
     run = tmp_path / "run"
     proc = run_python(["-m", "remat.train", *args, *tiny, f"hydra.run.dir={run}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -42,7 +42,7 @@ def test_train_with_a_budget_shows_predicted_and_measured_peak(tmp_path, planned
                                    "strategy.device=cpu", "strategy.max_traces=1",
                                    "strategy.margin=0.0"])
     summary = train(cfg)
-    assert summary["status"] == "completed" and summary["strategy"] == "plan"
+    assert summary["status"] == "completed" and summary["strategy"] == "budget"
     plan = summary["plan"]
     assert plan["budget_bytes"] == budget and plan["none_peak_bytes"] == none
     assert plan["predicted_peak_bytes"] <= budget

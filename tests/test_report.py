@@ -142,3 +142,33 @@ def test_a_compiled_job_is_told_apart_from_its_eager_twin(tmp_path):
     assert (rows["0"]["compiled"], rows["1"]["compiled"]) == ("False", "True")
     md = (tmp_path / "report.md").read_text()
     assert "| sqrtn +compile |" in md and "| sqrtn |" in md
+
+
+def test_a_killed_job_is_told_from_a_running_one(tmp_path):
+    """A job killed by SIGKILL leaves a summary saying 'running': the report said so too.
+    A job whose folder a live process holds, or one claimed on another host (a cluster
+    node: its lock may not reach here), stays 'running'."""
+    import socket
+    import subprocess
+    import sys
+
+    from remat.callbacks import claim_run_dir, release_run_dir
+    from tests.helpers import subprocess_env
+
+    running = {**DONE, "status": "running"}
+    for name in ("dead", "live", "elsewhere"):
+        _job(tmp_path, name, running)
+    code = ("import sys, time; from remat.callbacks import claim_run_dir; "
+            "claim_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(float(sys.argv[2]))")
+    dead = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dead"), "0"],
+                          env=subprocess_env(), capture_output=True, text=True)
+    assert dead.stdout.strip() == "held"
+    (tmp_path / "elsewhere" / ".lock").write_text("pid 1 on another-node\n")
+    live = claim_run_dir(tmp_path / "live")
+    try:
+        jobs = {j.job: j for j in report(tmp_path, quiet=True)}
+    finally:
+        release_run_dir(live)
+    assert jobs["dead"].status == "killed" and "no process holds" in jobs["dead"].error
+    assert (tmp_path / "dead" / ".lock").read_text().split()[3] == socket.gethostname()
+    assert jobs["live"].status == "running" and jobs["elsewhere"].status == "running"

@@ -27,6 +27,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from remat.callbacks.run_dir import ended_here
 from remat.measure import format_bytes
 
 COLUMNS = ["job", "status", "strategy", "compiled", "precision", "accumulation", "batch", "size",
@@ -156,6 +157,12 @@ def read_job(root: Path, job_dir: Path) -> Job:
               summary.get("peak_memory_bytes"), step_ms, throughput, metric,
               metrics.get(metric), error=summary.get("error"), checkpoint=checkpoint)
     job.compiled = bool(summary.get("compiled"))
+    if job.status == "running" and ended_here(job_dir):  # its summary could not say so
+        job.status = "killed"
+        job.error = ("its summary says running, but no process holds the folder (killed, "
+                     "e.g. SIGKILL or out of memory)" + (
+                         "; resume it with ckpt_path=<job>/checkpoints/last.ckpt"
+                         if checkpoint == "ok" else ""))
     if checkpoint not in (None, "ok"):
         job.error = "; ".join(e for e in (job.error, f"last.ckpt {checkpoint}") if e)
     for ref in config.get("reference") or []:

@@ -87,6 +87,33 @@ def claim_run_dir(path: str | Path) -> Path:
     return folder
 
 
+def ended_here(path: str | Path) -> bool:
+    """Whether the run that last claimed ``path`` ran on this machine and no process holds
+    the folder any more (it ended, however: a ``summary.json`` still saying ``running`` was
+    left by a run killed with SIGKILL or out of memory). False where that cannot be told
+    here: no lock file, a claim from another host (a cluster's job: its lock may not reach
+    this node), or no advisory locks."""
+    lock = Path(path) / LOCK_NAME
+    if fcntl is None or not lock.is_file():
+        return False
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        holder = os.read(fd, 200).decode(errors="replace").split()
+        if len(holder) < 4 or holder[0] != "pid" or holder[3] != socket.gethostname():
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: the run is alive
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    finally:
+        os.close(fd)
+
+
 def _forget_claims_in_child() -> None:
     """In a process forked from a run (a DataLoader worker): close its copies of the lock
     files. A ``flock`` stays held while any copy of its descriptor is open, so workers

@@ -179,3 +179,29 @@ def test_a_killed_runs_forked_children_do_not_hold_its_folder(tmp_path):
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_sweep_into_an_earlier_sweeps_folder_is_refused_before_hydra_writes(tmp_path):
+    """Refused at its first job before, after Hydra's sweeper had written multirun.yaml
+    over the earlier sweep's (recording a sweep that never ran), naming hydra.run.dir."""
+    from omegaconf import OmegaConf
+
+    from remat.callbacks.run_dir import RunDirLock
+
+    sweep = tmp_path / "sweep"
+    (sweep / "1").mkdir(parents=True)
+    (sweep / "1" / "summary.json").write_text(json.dumps({"status": "completed",
+                                                          "global_step": 8}))
+    (sweep / "multirun.yaml").write_text("the earlier sweep\n")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}, "ckpt_path": None})
+    with pytest.raises(SystemExit, match=r"sweep/1 already holds a run with status "
+                                         r"'completed' at global step 8.*pick another "
+                                         r"hydra.sweep.dir, or delete"):
+        RunDirLock(protect_earlier_runs=True).on_multirun_start(config)
+    assert (sweep / "multirun.yaml").read_text() == "the earlier sweep\n"
+    claim_run_dir(sweep)  # the refused sweep let its claim go
+    release_run_dir(sweep)
+    # an empty sweep folder, or a resume, starts
+    RunDirLock(protect_earlier_runs=True).on_multirun_start(
+        OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "new")}}, "ckpt_path": None}))
+    release_run_dir(tmp_path / "new")

@@ -177,19 +177,27 @@ def earlier_run(folder: str | Path) -> str | None:
     return None
 
 
-def _refuse_overwrite(config: DictConfig, path: str | None) -> None:
-    """A new training run (no ``ckpt_path``) never writes over an earlier run's folder."""
+def _refuse_overwrite(config: DictConfig, path: str | None, key: str = "hydra.run.dir",
+                      jobs: bool = False) -> None:
+    """A new training run (no ``ckpt_path``) never writes over an earlier run's folder;
+    with ``jobs``, ``path`` is a sweep folder and its job folders are looked at (a refused
+    sweep must not reach Hydra's sweeper, which writes ``multirun.yaml`` over the earlier
+    sweep's record)."""
     if path is None or OmegaConf.select(config, "ckpt_path", default=None) or secondary_rank():
         return  # a secondary rank finds rank 0's files of this very run
-    found = earlier_run(path)
-    if found:
+    folders = (sorted(p for p in Path(path).iterdir() if p.is_dir()) if jobs
+               else [Path(path)])
+    for folder in folders:
+        found = earlier_run(folder)
+        if not found:
+            continue
         release_run_dir(path)
-        last = Path(path).resolve() / "checkpoints" / "last.ckpt"
-        how = (f"resume it with ckpt_path={last}, or pick another hydra.run.dir"
+        last = folder.resolve() / "checkpoints" / "last.ckpt"
+        how = (f"resume it with ckpt_path={last}, or pick another {key}"
                if last.is_file() else "it has no checkpoint to resume (checkpoints/last.ckpt): "
-               "pick another hydra.run.dir, or delete the folder")
+               f"pick another {key}, or delete the folder")
         raise SystemExit(
-            f"error: output folder {Path(path).resolve()} already holds {found}. A new run "
+            f"error: output folder {folder.resolve()} already holds {found}. A new run "
             f"would overwrite its checkpoints and summary.json: {how}")
 
 
@@ -229,6 +237,9 @@ class RunDirLock(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _claim_or_exit(_dir(config, "hydra.sweep.dir"))
+        if self.protect_earlier_runs:
+            _refuse_overwrite(config, _dir(config, "hydra.sweep.dir"), "hydra.sweep.dir",
+                              jobs=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if (path := _dir(config, "hydra.sweep.dir")) is not None:
@@ -238,7 +249,8 @@ class RunDirLock(Callback):
         _claim_or_exit(_dir(config, "hydra.runtime.output_dir"))
         if self.protect_earlier_runs and OmegaConf.select(config, "hydra.mode",
                                                           default=None) is RunMode.MULTIRUN:
-            _refuse_overwrite(config, _dir(config, "hydra.runtime.output_dir"))
+            _refuse_overwrite(config, _dir(config, "hydra.runtime.output_dir"),
+                              "hydra.sweep.dir")
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if (path := _dir(config, "hydra.runtime.output_dir")) is not None:

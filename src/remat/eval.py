@@ -121,6 +121,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         ckpt["state_dict"] = sharded_weights(ckpt_path)
     model.load_state_dict(ckpt["state_dict"])  # read once, weights_only, fit checked above
     datamodule = instantiate(cfg.data)
+    # what the datamodule kept in the checkpoint: how its training images were normalised
+    datamodule.load_state_dict(ckpt.get(type(datamodule).__qualname__) or {})
     check_model_fits_data(model, datamodule)
     if split == "all":
         if not hasattr(datamodule, "eval_all"):

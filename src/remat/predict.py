@@ -85,6 +85,8 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"data._target_={cfg.data.get('_target_')} reads no image files, so it "
                          "cannot say how new images are read; predict with a checkpoint of a "
                          "file dataset (data=folder, kvasir_seg, ...) or give data=<one>")
+    # what the datamodule kept in the checkpoint: how its training images were normalised
+    datamodule.load_state_dict(ckpt.get(type(datamodule).__qualname__) or {})
     volumes = hasattr(datamodule, "restore_labels")  # data=msd/volumes: NIfTI (.npy) out
     suffixes = getattr(datamodule, "input_suffixes", IMAGE_SUFFIXES)
     paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes)

@@ -634,6 +634,7 @@ class FolderSegDataModule(PatchSegDataModule):
         self.pairs_csv = Path(pairs).expanduser() if pairs else None
         self.val_fraction, self.split_seed = float(val_fraction), int(split_seed)
         self.normalizer = Normalize(normalize)
+        self._trained_as: str | None = None  # what auto made of the training images
         self._listed_splits: dict[str, list[str]] = {}
         super().__init__(root, **kwargs)
 
@@ -689,6 +690,33 @@ class FolderSegDataModule(PatchSegDataModule):
         ImageNet statistics or its own (a folder of 8-bit PNGs and 16-bit TIFFs trained
         with the same picture normalised two ways, silently); None otherwise."""
         return self.normalizer.auto_kind if self.normalizer.how == "auto" else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"normalize": "imagenet" | "image"}``: what ``data.normalize=auto`` made of the
+        training images (one way for all: the data check refuses a mix), saved in every
+        checkpoint, so that :meth:`load_state_dict` gives new images (``remat.predict``,
+        ``remat.eval`` on another folder) the normalisation the network was trained with:
+        a 16-bit copy of an 8-bit training image was z-scored instead (a trial: mIoU 0.953
+        against 0.993). Empty under any other ``data.normalize``, or before ``setup``."""
+        if self._trained_as is None and self.normalizer.how == "auto":
+            first = next((self.pairs[n] for n in self.splits.get("train", ())
+                          if n in self.pairs), None)
+            if first is None:
+                return {}
+            image = self.image_reader()(first.image)
+            self._trained_as = ("image" if self.normalizer.per_image(image.dtype,
+                                                                      image.shape[0])
+                                else "imagenet")
+        return {"normalize": self._trained_as} if self._trained_as else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Normalise as the checkpoint's training images were (:meth:`state_dict`) where
+        ``data.normalize=auto`` would decide by each new image's own kind; the datasets
+        built already share the normaliser, so they follow."""
+        trained = state_dict.get("normalize")
+        if self.normalizer.how == "auto" and trained in ("imagenet", "image"):
+            self.normalizer.how = trained
+            self._trained_as = trained
 
     @property
     def in_channels(self) -> int:

@@ -172,3 +172,14 @@ def test_a_killed_job_is_told_from_a_running_one(tmp_path):
     assert jobs["dead"].status == "killed" and "no process holds" in jobs["dead"].error
     assert (tmp_path / "dead" / ".lock").read_text().split()[3] == socket.gethostname()
     assert jobs["live"].status == "running" and jobs["elsewhere"].status == "running"
+
+
+def test_a_jobs_resume_attempts_are_not_jobs(tmp_path):
+    """A resumed job keeps each attempt's Hydra files and config in <job>/resumes/<time>/;
+    the report listed them as jobs ('missing', or 'failed' for a refused resume)."""
+    _job(tmp_path, "0", DONE)
+    attempt = tmp_path / "0" / "resumes" / "2026-12-05_13-33-01_ab12"
+    (attempt / ".hydra").mkdir(parents=True)
+    (attempt / "config.yaml").write_text("precision: 32-true\n")
+    (attempt / "summary.json").write_text(json.dumps({"status": "failed"}))
+    assert [(j.job, j.status) for j in report(tmp_path, quiet=True)] == [("0", "completed")]

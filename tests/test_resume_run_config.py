@@ -178,9 +178,11 @@ def test_a_seed_typed_on_a_resume_is_set_back_and_said(tmp_path, caplog):
 
     run = tmp_path / "run"
     run.mkdir()
-    OmegaConf.save(OmegaConf.create({"seed": 42, "precision": "32-true"}), run / "config.yaml")
-    cfg = OmegaConf.create({"seed": 7, "precision": "32-true"})
+    OmegaConf.save(OmegaConf.create({"seed": 42, "precision": "32-true", "data": {"seed": 42}}),
+                   run / "config.yaml")
+    cfg = OmegaConf.create({"seed": 7, "precision": "32-true", "data": {"seed": 5}})
     with caplog.at_level("WARNING", logger="remat.runs"):
-        RunStart(run, source=run, typed=("seed=7",)).rebuild(cfg)
-    assert cfg.seed == 42
+        RunStart(run, source=run, typed=("seed=7", "data.seed=5")).rebuild(cfg)
+    assert cfg.seed == 42 and cfg.data.seed == 42  # the loader's generator is restored too
     assert "seed=7 has no effect on a resume" in caplog.text and "stays 42" in caplog.text
+    assert "data.seed=5 has no effect on a resume" in caplog.text

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 
 from remat.callbacks.run_dir import ended_here
 from remat.measure import format_bytes
+from remat.run_config import RESUMES
 
 COLUMNS = ["job", "status", "strategy", "compiled", "precision", "accumulation", "batch", "size",
            "peak_memory_bytes", "step_ms", "throughput", "metric", "value", "published",
@@ -64,11 +65,13 @@ class Job:
 
 def _job_dirs(root: Path) -> list[Path]:
     """Job folders under ``root``: any folder holding a ``summary.json``, a ``config.yaml`` or
-    Hydra's ``.hydra/`` (a job that died before writing its summary still has those)."""
+    Hydra's ``.hydra/`` (a job that died before writing its summary still has those), but
+    a run's resume attempts (``<job>/resumes/<time>/``: the job's own row reports them)."""
     found = set()
     for marker in ("summary.json", "config.yaml", ".hydra"):
         for path in root.rglob(marker):
-            if ".hydra" in path.parent.parts:
+            parts = path.parent.relative_to(root).parts
+            if ".hydra" in path.parent.parts or RESUMES in parts:
                 continue
             found.add(path.parent)
     return sorted(found, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s)

@@ -249,16 +249,21 @@ class RunStart:
         if changed:
             log.info("resuming %s: the command line changes %s", self.source,
                      "; ".join(changed))
-        # the resume goes on from the checkpoint's random state: another seed draws nothing,
-        # and the summary recorded it while every loss was the old seed's (trial)
+        # the resume goes on from the checkpoint's random state (global RNG, the loader's
+        # generator): another seed draws nothing, and the summary recorded it while every
+        # loss was the old seed's (trial)
         saved = self.source / "config.yaml"
-        run_seed = OmegaConf.load(saved).get("seed") if saved.is_file() else None
-        if run_seed is not None and cfg.get("seed") != run_seed:
-            log.warning("resuming %s: seed=%s has no effect on a resume (the run goes on "
-                        "from its checkpoint's random state, drawn from seed %s), so it "
-                        "stays %s; train a new run (another hydra.run.dir) for another seed",
-                        self.source, cfg.get("seed"), run_seed, run_seed)
-            cfg.seed = run_seed
+        run = OmegaConf.load(saved) if saved.is_file() else None
+        for key in ("seed", "data.seed"):
+            was, now = (OmegaConf.select(run, key) if run is not None else None,
+                        OmegaConf.select(cfg, key))
+            if was is None or now == was:
+                continue
+            log.warning("resuming %s: %s=%s has no effect on a resume (the run goes on from "
+                        "its checkpoint's random state, drawn from %s %s), so it stays %s; "
+                        "train a new run (another hydra.run.dir) for another seed",
+                        self.source, key, now, key, was, was)
+            OmegaConf.update(cfg, key, was)
 
     def trained(self) -> None:
         """The attempt reached training: its typed overrides count for later resumes."""

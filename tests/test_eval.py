@@ -342,3 +342,17 @@ def test_the_resolution_said_is_the_grid_scored_on():
     assert resolution_of(SimpleNamespace(pixdim=None)) == "native resolution"
     assert resolution_of(SimpleNamespace(image_size=256, resizes_for_eval=True)) == (
         "256x256 px (resized)")
+
+
+def test_a_missing_last_ckpt_names_the_checkpoints_beside_it(tmp_path):
+    """A run killed while writing its first last.ckpt left the epoch's checkpoint (and a
+    temporary file): the error named only the missing file."""
+    from remat.models.checks import read_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "epoch_000.ckpt").write_bytes(b"")
+    (folder / ".last.ckpt.11671.tmp").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"last.ckpt: no such file .*; "
+                                                r".*checkpoints holds epoch_000.ckpt$"):
+        read_checkpoint(folder / "last.ckpt")

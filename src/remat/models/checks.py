@@ -284,8 +284,12 @@ def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     if is_sharded_checkpoint(path):
         return _read_sharded(path, ckpt_path)
     if not path.is_file():
+        # a run killed while writing its first last.ckpt has others beside it (the epoch's)
+        others = sorted(p.name for p in path.parent.glob("*.ckpt")) if path.parent.is_dir() \
+            else []
+        beside = (f"; {path.parent} holds {', '.join(others[:5])}" if others else "")
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file (expected a Lightning "
-                                "checkpoint such as <run dir>/checkpoints/last.ckpt)")
+                                f"checkpoint such as <run dir>/checkpoints/last.ckpt){beside}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:  # a global weights_only does not allow

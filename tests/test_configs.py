@@ -97,14 +97,3 @@ def test_experiment_monitor_is_a_metric_its_model_logs(tmp_path, option):
                                                else (cfg.monitor, "max"))
     assert sequence or cfg.monitor in ("val/dice", "val/iou", "val/miou")
 
-
-@pytest.mark.parametrize("data", sorted(p.stem for p in (config_dir() / "data").glob("*.yaml")))
-def test_the_runs_seed_seeds_every_datasets_order_and_augmentation(tmp_path, data):
-    """data.seed follows the run's seed: with the loader drawing each sample's augmentation
-    seed, a fixed data.seed made a seed=... sweep share its crops, flips and order."""
-    from tests.helpers import compose_config
-
-    assert compose_train(tmp_path, [f"data={data}", "seed=7"]).data.seed == 7
-    assert compose_train(tmp_path, [f"data={data}", "seed=7", "data.seed=3"]).data.seed == 3
-    estimate = compose_config("estimate", tmp_path, [f"data={data}"])
-    assert estimate.data.seed == 0  # no run seed there

@@ -100,3 +100,16 @@ def test_sharded_shares_carry_the_seeds():
     index, seed = shares[0]
     assert torch.equal(data[(index, seed)][1], data[(index, seed)][1])  # a seed, its draws
     assert data.pairs == Augmented.pairs and len(data) == 10
+
+
+def test_the_runs_seed_changes_the_draws_not_the_order(monkeypatch):
+    """A seed=... sweep drew other augmentation when the draws came from the global RNG;
+    with the loader drawing them, they take the run's seed in (Lightning's PL_GLOBAL_SEED)."""
+    runs = {}
+    for seed in ("42", "7"):
+        monkeypatch.setenv("PL_GLOBAL_SEED", seed)
+        runs[seed] = batches(make_loader(Augmented(), 4, 0, train=True, seed=5))
+    assert [i for i, _ in runs["42"][0]] == [i for i, _ in runs["7"][0]]  # data.seed's order
+    assert not torch.equal(runs["42"][0][0][1], runs["7"][0][0][1])
+    monkeypatch.setenv("PL_GLOBAL_SEED", "42")
+    assert same(runs["42"], batches(make_loader(Augmented(), 4, 2, train=True, seed=5)))

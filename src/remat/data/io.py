@@ -16,7 +16,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchvision.io import ImageReadMode, decode_image, read_file
 
-from remat.data.seeding import SeededSamples, SeededShuffle
+from remat.data.seeding import SeededSamples, SeededShuffle, run_seed
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec and warns on every call;
 # the decoders still work, so keep the per-sample warning out of training logs.
@@ -177,9 +177,9 @@ def make_loader(
     """Build the project's standard ``DataLoader``.
 
     Train loaders shuffle with a ``torch.Generator`` seeded by ``seed``, which also draws a
-    seed for every sample of an epoch that its random draws start from
-    (:mod:`remat.data.seeding`: the same augmentation with any ``num_workers``, and after a
-    resume), and drop the last partial batch only when the dataset is larger than
+    seed for every sample of an epoch (mixed with the run's seed) that its random draws start
+    from (:mod:`remat.data.seeding`: the same augmentation with any ``num_workers``, and
+    after a resume), and drop the last partial batch only when the dataset is larger than
     ``batch_size``; eval loaders keep order and every sample. Workers persist between
     epochs when ``num_workers > 0``.
     """
@@ -193,7 +193,8 @@ def make_loader(
     # it would move the epoch orders apart between num_workers=0 and >0; from the global
     # RNG, the dropout draws
     return DataLoader(SeededSamples(dataset),
-                      sampler=SeededShuffle(len(dataset), torch.Generator().manual_seed(seed)),
+                      sampler=SeededShuffle(len(dataset), torch.Generator().manual_seed(seed),
+                                            run_seed()),
                       generator=torch.Generator().manual_seed(seed), **common)
 
 

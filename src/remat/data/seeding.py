@@ -12,14 +12,15 @@ every later step off).
 :class:`SeededShuffle` draws, with each epoch's permutation and from the same generator, one
 seed per position; :class:`SeededSamples` loads a sample with torch's CPU, numpy's and
 Python's global RNG seeded from it and puts them back after. A sample's augmentation then
-depends only on the loader's seed, its epoch and its position: the same with or without
-workers, with any number of them, and after a resume that skips the positions already
-trained (:class:`remat.callbacks.ResumeState`).
+depends only on the loader's seed, the run's seed, its epoch and its position: the same
+with or without workers, with any number of them, and after a resume that skips the
+positions already trained (:class:`remat.callbacks.ResumeState`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,8 @@ from torch.utils.data import Dataset, Sampler
 
 #: seeds are drawn below this bound (numpy's ``seed`` takes 32 bits: it gets the low ones)
 _SEED_BOUND = 2**62
+#: an odd multiplier spreading the run's seed over the bits of a sample's seed
+_MIX = 0x9E3779B97F4A7C15
 
 
 @contextlib.contextmanager
@@ -48,24 +51,37 @@ def seeded(seed: int) -> Iterator[None]:
             random.setstate(python_state)
 
 
+def run_seed() -> int:
+    """The run's seed as Lightning's ``seed_everything`` left it (``PL_GLOBAL_SEED``, which
+    its launchers pass to every rank), or 0 where none was set."""
+    try:
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+    except ValueError:
+        return 0
+
+
 class SeededShuffle(Sampler):
     """Each pass: a permutation of ``range(n)`` (the order ``RandomSampler`` with the same
-    generator gives) and then one seed per position, both drawn from ``generator``; yields
-    ``(index, seed)`` for :class:`SeededSamples`.
+    generator gives) and then one seed per position, both drawn from ``generator``, each
+    seed mixed with ``salt``; yields ``(index, seed)`` for :class:`SeededSamples`.
 
     Args:
         n: the dataset's length.
         generator: the loader's generator (its state at a pass's start fixes the pass).
+        salt: mixed into every sample's seed: the run's seed (:func:`run_seed`), so that a
+            ``seed=`` sweep draws other augmentation, as it did when the draws came from
+            the global RNG, while the order stays the loader seed's.
     """
 
-    def __init__(self, n: int, generator: torch.Generator) -> None:
+    def __init__(self, n: int, generator: torch.Generator, salt: int = 0) -> None:
         self.n = int(n)
         self.generator = generator
+        self.salt = (int(salt) * _MIX) % _SEED_BOUND
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         order = torch.randperm(self.n, generator=self.generator).tolist()
         seeds = torch.randint(0, _SEED_BOUND, (self.n,), generator=self.generator).tolist()
-        return iter(zip(order, seeds, strict=True))
+        return iter(zip(order, (s ^ self.salt for s in seeds), strict=True))
 
     def __len__(self) -> int:
         return self.n

@@ -83,7 +83,7 @@ def test_lora_budget_run_predicts_its_peak_and_keeps_the_adapters(tmp_path, shak
         "strategy=budget", "strategy.memory=1900000", "strategy.device=cpu",
         "strategy.max_traces=2", "strategy.margin=0.0"])
     summary = train(cfg)
-    assert summary["status"] == "completed" and summary["strategy"] == "plan"
+    assert summary["status"] == "completed" and summary["strategy"] == "budget"
     plan = summary["plan"]
     assert plan["predicted_peak_bytes"] <= 1_900_000 < plan["none_peak_bytes"]
     assert any(s["mode"] != "keep" for u in plan["units"] for s in u["segments"])

@@ -198,7 +198,7 @@ def test_budget_plans_and_trains_a_3d_model(tmp_path, task):
         "strategy.device=cpu", "strategy.max_traces=2", "strategy.margin=0.0",
         "model.optimizer._target_=torch.optim.SGD", "~model.optimizer.weight_decay",
         *TINY_TRAINER]))
-    assert summary["status"] == "completed" and summary["strategy"] == "plan"
+    assert summary["status"] == "completed" and summary["strategy"] == "budget"
     plan = summary["plan"]
     assert plan["size"] == [32, 32, 32] and plan["budget_bytes"] == budget
     assert plan["predicted_peak_bytes"] <= budget < plan["none_peak_bytes"]

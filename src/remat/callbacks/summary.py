@@ -122,15 +122,6 @@ def read_summary(path: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _strategy_name(pl_module: Any, report: Any) -> str | None:
-    """The strategy's name in a summary: ``budget`` for a plan a budget made (its
-    ``request``), so a sweep's report tells it from a replayed ``strategy=plan`` file."""
-    name = getattr(report, "strategy", None)
-    if name == "plan" and getattr(getattr(pl_module, "strategy", None), "request", None):
-        return "budget"
-    return name
-
-
 def failure_summary(cfg: DictConfig, err: BaseException) -> dict[str, Any]:
     """The summary of a run that failed before its Trainer ran, from the config alone
     (values whose interpolation fails are None)."""
@@ -255,7 +246,7 @@ class RunSummary(L.Callback):
         summary: dict[str, Any] = {
             "status": status,
             "task_name": self.task_name,
-            "strategy": _strategy_name(pl_module, report_obj),
+            "strategy": getattr(report_obj, "strategy", None),
             "precision": str(trainer.precision),
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             **_shape_fields(shape),

@@ -267,7 +267,9 @@ class PlanStrategy(RecomputeStrategy):
             raise StageError(f"{where}: {err}; plan again for this model") from err
         wrapping.unwrap_all(model)
         # every unit of the plan, kept ones too: FSDP shards each (remat.sharding)
-        report = StrategyReport(strategy=self.name, stages=[
+        # a plan a budget made says so (its request): logs, summary.json and a sweep's
+        # report tell it from a replayed plan file
+        report = StrategyReport(strategy="budget" if self.request else self.name, stages=[
             u.path for u in self.plan.units
             if u.changed or _resolves(model, u.path)])
         try:

@@ -57,6 +57,7 @@ from remat.models.checks import (
     check_model_fits_data,
     is_sharded_checkpoint,
     read_checkpoint,
+    restore_datamodule_state,
     sharded_weights,
 )
 from remat.run_config import run_config_path, run_group_args
@@ -121,8 +122,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         ckpt["state_dict"] = sharded_weights(ckpt_path)
     model.load_state_dict(ckpt["state_dict"])  # read once, weights_only, fit checked above
     datamodule = instantiate(cfg.data)
-    # what the datamodule kept in the checkpoint: how its training images were normalised
-    datamodule.load_state_dict(ckpt.get(type(datamodule).__qualname__) or {})
+    restore_datamodule_state(datamodule, ckpt)
     check_model_fits_data(model, datamodule)
     if split == "all":
         if not hasattr(datamodule, "eval_all"):

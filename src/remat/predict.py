@@ -29,6 +29,7 @@ from remat.models.checks import (
     check_checkpoint_fits,
     is_sharded_checkpoint,
     read_checkpoint,
+    restore_datamodule_state,
     sharded_weights,
 )
 from remat.prediction import (
@@ -85,8 +86,7 @@ def predict(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"data._target_={cfg.data.get('_target_')} reads no image files, so it "
                          "cannot say how new images are read; predict with a checkpoint of a "
                          "file dataset (data=folder, kvasir_seg, ...) or give data=<one>")
-    # what the datamodule kept in the checkpoint: how its training images were normalised
-    datamodule.load_state_dict(ckpt.get(type(datamodule).__qualname__) or {})
+    restore_datamodule_state(datamodule, ckpt)
     volumes = hasattr(datamodule, "restore_labels")  # data=msd/volumes: NIfTI (.npy) out
     suffixes = getattr(datamodule, "input_suffixes", IMAGE_SUFFIXES)
     paths, names = list_inputs(cfg.input, str(cfg.get("images", "**/*")), suffixes)

@@ -264,6 +264,14 @@ def check_sharded_resume(ckpt_path: str | Path | None, sharded_trainer: bool) ->
         "(trainer.strategy.save_distributed_checkpoint=false), which any trainer resumes")
 
 
+def restore_datamodule_state(datamodule: Any, ckpt: dict[str, Any]) -> None:
+    """Give ``datamodule`` what its class kept in the checkpoint (Lightning saves a
+    datamodule's ``state_dict`` under its class name), as a resumed fit does: for eval and
+    predict, which load the weights themselves (a folder dataset: how ``data.normalize=auto``
+    normalised the training images)."""
+    datamodule.load_state_dict(ckpt.get(type(datamodule).__qualname__) or {})
+
+
 def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     """Read a Lightning checkpoint (on CPU) with ``torch.load(weights_only=True)`` and check
     it is one.

@@ -67,6 +67,28 @@ def test_a_misspelled_hf_config_setting_is_named():
     SequenceModule(vocab_size=65, net=_llama(), stages=["model.layers"])  # right keys build
 
 
+def test_another_architectures_settings_are_named(caplog):
+    """The ``hf_llama`` preset with GPT-2 as the target: ``GPT2Config`` keeps Llama's
+    ``intermediate_size`` and ``rms_norm_eps`` and GPT-2 never reads them (its MLP is 4x the
+    width, 128 here, not the 48 asked for), so the run names them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    net = GPT2LMHeadModel(GPT2Config(vocab_size=65, n_positions=16, hidden_size=32,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=48, rms_norm_eps=1e-6))
+    assert net.transformer.h[0].mlp.c_fc.nf == 128  # what GPT-2 built: 48 was not read
+    with caplog.at_level("WARNING", logger="remat.models.hf"):
+        SequenceModule(vocab_size=65, net=net, stages=["transformer.h"])
+    [line] = [r.getMessage() for r in caplog.records if r.name == "remat.models.hf"]
+    assert line.startswith("model.net.config: GPT2Config has no setting 'intermediate_size', "
+                           "'rms_norm_eps': GPT2LMHeadModel ignores")
+    assert "~model.net.config.intermediate_size ~model.net.config.rms_norm_eps" in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="remat.models.hf"):
+        SequenceModule(vocab_size=65, net=_llama(), stages=["model.layers"])
+    assert not [r for r in caplog.records if r.name == "remat.models.hf"]
+
+
 def test_one_sampling_loop_for_gpt_and_hf_nets():
     torch.manual_seed(0)
     gpt = GPT(vocab_size=20, block_size=8, n_layer=2, n_head=2, n_embd=16).eval()

@@ -11,6 +11,7 @@ adapters trained, the stages found under PEFT's prefix (:func:`lora_stage_paths`
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,8 @@ from torch import nn
 
 from remat.strategies.references import is_hf_model
 
+log = logging.getLogger(__name__)
+
 __all__ = ["apply_lora", "causal_lm_logits", "check_config_keys", "config_vocab_size",
            "is_hf_model", "is_peft_model", "load_pretrained", "lora_config",
            "lora_stage_paths", "parameter_counts"]
@@ -31,7 +34,9 @@ def check_config_keys(net: nn.Module, key: str = "model.net.config") -> None:
     """Refuse a setting of a Hugging Face net's config that misspells one the config class
     has: ``PretrainedConfig`` keeps any keyword as an attribute, so
     ``+model.net.config.num_hiden_layers=2`` built the default 4 layers without a word.
-    Settings of the user's own that resemble no key of the class are left alone.
+    Settings that resemble no key of the class (another architecture's, such as Llama's
+    ``intermediate_size`` on a ``GPT2Config`` built from the ``hf_llama`` preset) are named in
+    one warning: the model reads them only if its own code asks for them by name.
 
     Args:
         net: the network; nothing is checked unless its ``config`` is a
@@ -50,12 +55,19 @@ def check_config_keys(net: nn.Module, key: str = "model.net.config") -> None:
         known = set(type(config)().to_dict())
     except Exception:  # noqa: BLE001 - a config class that needs arguments: not checked
         return
+    unknown = []
     for extra in sorted(set(config.to_dict()) - known):
         near = difflib.get_close_matches(extra, sorted(known), n=1, cutoff=0.8)
         if near:
             raise ValueError(f"{key}.{extra}: {type(config).__name__} has no setting "
                              f"{extra!r}, so it would be ignored; did you mean "
                              f"{key}.{near[0]}?")
+        unknown.append(extra)
+    if unknown:
+        log.warning("%s: %s has no setting %s: %s ignores a setting its own code does not "
+                    "read; remove it (%s) or give %s's own keys", key, type(config).__name__,
+                    ", ".join(map(repr, unknown)), type(net).__name__,
+                    " ".join(f"~{key}.{extra}" for extra in unknown), type(config).__name__)
 
 
 def config_vocab_size(net: nn.Module) -> int | None:

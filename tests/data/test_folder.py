@@ -182,6 +182,31 @@ def test_an_empty_label_split_does_not_start_a_run(tmp_path):
     assert not (out / "checkpoints").exists()
 
 
+def test_a_class_only_val_masks_hold_is_named(tmp_path, caplog):
+    """Class 2 painted in the val image only: the network could never learn it and its val
+    Dice would stay 0, so the data check names it (a warning: the run may still be wanted)."""
+    write_folder(tmp_path, n=4, encoding="index", classes=2)
+    val = np.zeros((24, 32), dtype=np.uint8)
+    val[4:12, 8:20], val[14:20, 2:10] = 1, 2
+    save(val, tmp_path / "masks" / "case3.png")
+    (tmp_path / "split.yaml").write_text("train: [case0, case1, case2]\nval: [case3]\n")
+    dm = FolderSegDataModule(tmp_path, split_file=tmp_path / "split.yaml", patch_size=16,
+                             mask_encoding="index", num_classes=3,
+                             class_names=["background", "road", "car"])
+    with caplog.at_level("WARNING", logger="remat.data.verify"):
+        dm.setup("fit")
+    [line] = [r.getMessage() for r in caplog.records if r.name == "remat.data.verify"]
+    assert "class 2 (car) is in the val masks (48 pixels) but in no train mask" in line
+    assert "class 1" not in line  # road is in train too
+    # with car in a train mask as well, nothing is said
+    save(val, tmp_path / "masks" / "case0.png")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="remat.data.verify"):
+        FolderSegDataModule(tmp_path, split_file=tmp_path / "split.yaml", patch_size=16,
+                            mask_encoding="index", num_classes=3).setup("fit")
+    assert not [r for r in caplog.records if r.name == "remat.data.verify"]
+
+
 def test_zero_one_masks_under_a_threshold_are_reported(tmp_path):
     """The trap of the issue: 0/1 label maps read by a 128 threshold (Kvasir's decoder, or
     data.threshold=128) train on empty labels; the check names each file and the fix."""

@@ -132,6 +132,27 @@ def _label_problem(split: str, masks: int, counts: torch.Tensor, ignore_index: i
         problem=f"the {split} split has no foreground")
 
 
+def _classes_not_in_train(totals: Mapping[str, torch.Tensor], ignore_index: int,
+                          class_names: Sequence[str]) -> list[str]:
+    """One line per class that the masks of another split hold and no train mask does."""
+    train = totals.get("train")
+    if train is None:
+        return []
+    lines = []
+    for split, counts in totals.items():
+        if split == "train":
+            continue
+        missing = [v for v in range(len(counts))
+                   if counts[v] > 0 and train[v] == 0 and v != ignore_index]
+        for value in missing:
+            name = f" ({class_names[value]})" if value < len(class_names) else ""
+            lines.append(f"class {value}{name} is in the {split} masks ({int(counts[value])} "
+                         "pixels) but in no train mask: the network never learns it, so its "
+                         f"{split} Dice and IoU stay 0; put some of its images in the train "
+                         "split (for data=folder: another data.split_seed, or data.split_file)")
+    return lines
+
+
 def _kinds_problem(kinds: Mapping[str, list[Path]]) -> DataFileError:
     """The problem of a dataset whose images the datasets treat in different ways."""
     parts = []
@@ -166,7 +187,8 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
         image_reader: the datasets' image reader, if not the 8-bit one.
         splits: ``{split: [pair names]}``; each split whose masks hold one class only (no
             foreground: an all-background split, or a label encoding that reads every pixel
-            as one class) is a problem.
+            as one class) is a problem; a class that another split's masks hold and no
+            train mask does is named in a warning.
         ignore_index: the mask value that is no class.
         class_names: names of the classes, for messages.
         image_kind: ``decoded image -> kind``, where the datasets treat images of different
@@ -199,10 +221,12 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
             if kind is not None:
                 kinds.setdefault(kind, []).append(pair.image)
     problems.sort(key=lambda p: natural_key(str(p.path)))  # the same order on every run
+    totals: dict[str, torch.Tensor] = {}  # split -> its masks' pixel counts per value
     for split, names in (splits or {}).items():
         decoded = [counts[n] for n in names if n in counts]
         if decoded and len(decoded) == len(names):
-            problem = _label_problem(split, len(names), sum(decoded), ignore_index,
+            totals[split] = sum(decoded)
+            problem = _label_problem(split, len(names), totals[split], ignore_index,
                                      class_names)
             if problem is not None:
                 problems.append(problem)
@@ -220,5 +244,7 @@ def verify_pairs(pairs: Sequence[ImageMaskPair], image_mode: str, decode_mask: M
             problems + ([mixed] if mixed is not None else []))
     if mixed is not None:
         raise DataCheckError(f"data check of {title}: {mixed}", [mixed])
+    for line in _classes_not_in_train(totals, ignore_index, class_names):
+        log.warning("data check of %s: %s", title, line)
     log.info("data check of %s: %d files decoded in %.1f s, none bad", title, files, seconds)
     return files

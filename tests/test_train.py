@@ -147,6 +147,17 @@ def test_missing_kvasir_root_says_what_layout_is_expected(tmp_path):
         train(cfg)
 
 
+def test_a_missing_checkpoint_is_named_before_the_data_is_read(tmp_path):
+    """``ckpt_path`` of a file that is not there stops the run before the data check, which
+    decodes every file (minutes on a large folder): here the data root does not even exist,
+    and the error is the checkpoint's."""
+    cfg = compose_train(tmp_path / "run", [*TINY_TRAINER, "data=kvasir_seg",
+                                           f"data.root={tmp_path / 'nope'}",
+                                           f"ckpt_path={tmp_path / 'gone.ckpt'}"])
+    with pytest.raises(FileNotFoundError, match=r"ckpt_path=.*gone.ckpt: no such file"):
+        train(cfg)
+
+
 @pytest.mark.slow  # > 5 s on 2 cores and not the only proof: make test-all
 def test_compile_strategy_trains_and_its_peak_comes_from_the_profiler(tmp_path):
     summary = train(compose_train(tmp_path, [*TINY, "strategy=compile",

@@ -102,9 +102,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                                    hydra_choice("data"))  # before any volume is read
                 start.save_config(cfg)
                 L.seed_everything(cfg.seed, workers=True)
+                # a missing or foreign checkpoint is named before the data check decodes
+                # every file (minutes on a large folder)
+                ckpt_path, ckpt = checkpoint_to_resume(cfg)
                 datamodule = instantiate(cfg.data)
                 datamodule.setup("fit")  # layout, splits, data check: before Lightning runs
-                ckpt_path, ckpt = checkpoint_to_resume(cfg)
                 check_lora_supported(cfg.model)
                 model = instantiate(cfg.model, strategy=_strategy(cfg, ckpt, ckpt_path))
                 if cfg.get("compile", False):

@@ -35,6 +35,25 @@ def test_this_cpu_is_measured_once_and_kept(measurements):
     assert devices.calibrate_cpu() == (3e11, 2e9)
 
 
+def test_measuring_this_cpu_leaves_the_run_s_random_numbers_alone(tmp_path, monkeypatch):
+    """A budget on a machine without a calibration file measures the CPU when the strategy is
+    built, before the run draws its network's weights: the first such run trained other
+    weights than the same run without a budget (a trial's val Dice 0.0 against 0.185)."""
+    import torch
+
+    from remat.planner import BudgetStrategy
+
+    monkeypatch.setenv(devices.CACHE_ENV, str(tmp_path))
+    devices.calibrate_cpu.cache_clear()
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    BudgetStrategy(memory="1GiB", device="cpu")  # measures: no calibration file yet
+    assert (tmp_path / "cpu_calibration.json").is_file()
+    assert torch.equal(torch.rand(4), expected)
+    devices.calibrate_cpu.cache_clear()
+
+
 @pytest.mark.slow  # three plans of a GPT (~30 s); the calibration test above holds the cause
 def test_planning_the_same_budget_twice_gives_the_same_plan(measurements, tmp_path):
     cfg = compose_config("estimate", tmp_path / "c", ["model=gpt_tiny", "data.batch_size=2",

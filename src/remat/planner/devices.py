@@ -138,8 +138,11 @@ def _measure_cpu() -> tuple[float, float]:
     """Float32 matmul FLOP/s and copy bandwidth (bytes/s): the fastest of
     :data:`_REPEATS` timings of a 1024x1024 matmul and of a 64 MiB copy (read + write),
     after one warm-up each (the fastest is the least disturbed by other load)."""
-    a = torch.randn(1024, 1024)
-    b = torch.randn(1024, 1024)
+    # its own generator: a BudgetStrategy calibrates when it is built, before the run draws
+    # the network's weights, which must be those of the same run without a budget
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(1024, 1024, generator=generator)
+    b = torch.randn(1024, 1024, generator=generator)
     src = torch.empty(16 * 2**20)
     dst = torch.empty_like(src)
     best_mm = best_copy = float("inf")

@@ -31,6 +31,7 @@ from remat._compat import TorchDispatchMode, tree_flatten
 from remat.measure.step import autocast
 from remat.measure.trace import run_built, sized_batch
 from remat.planner.devices import DeviceSpec
+from remat.rng import rng_kept
 from remat.strategies.recompute import storage_key, written_tensors
 from remat.strategies.segmented import CHAIN_TYPES, chain_members
 from remat.strategies.selective import (
@@ -479,8 +480,15 @@ def calibrate_profile(profile: Profile, build: Callable[[], nn.Module], batch_si
     Each block's forward is timed by forward hooks (synchronising CUDA), the median of
     ``rounds`` training forwards after one warm-up; the selective preset's time keeps its
     roofline share of the block's time; the step time is the median forward + backward.
-    Returns ``profile`` (changed in place).
+    Returns ``profile`` (changed in place). The global RNGs are as they were after it (it
+    builds a model seeded 0 and runs it).
     """
+    with rng_kept():
+        return _calibrate_profile(profile, build, batch_size, size, precision, device, rounds)
+
+
+def _calibrate_profile(profile: Profile, build: Callable[[], nn.Module], batch_size: int,
+                       size: Any, precision: str, device: torch.device, rounds: int) -> Profile:
     import statistics
     import time as _time
 

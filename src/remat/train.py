@@ -37,6 +37,7 @@ from remat.models.checks import (
 )
 from remat.planner import InfeasibleBudget, PlanInputError, PlanMismatch
 from remat.planner.run import plan_for_run, resumed_replay
+from remat.rng import rng_kept
 from remat.run_config import resume_args
 from remat.run_shape import check_spatial_dims
 from remat.runs import (  # noqa: F401 - instantiate_group, resolve_last: part of this API
@@ -61,8 +62,9 @@ def _strategy(cfg: DictConfig, ckpt: dict[str, Any] | None = None,
     resumed with the plan saved in ``ckpt``, not the file
     (:func:`remat.planner.run.resumed_replay`), and checked against the run
     (:func:`remat.planner.run.plan_for_run`)."""
-    strategy = resumed_replay(cfg, ckpt, ckpt_path) or instantiate(cfg.strategy)
-    return plan_for_run(cfg, strategy, ckpt, ckpt_path)
+    with rng_kept():  # building a strategy (or its plan) must not move the weights' draws
+        strategy = resumed_replay(cfg, ckpt, ckpt_path) or instantiate(cfg.strategy)
+        return plan_for_run(cfg, strategy, ckpt, ckpt_path)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

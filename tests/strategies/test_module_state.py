@@ -210,6 +210,78 @@ def test_functional_call_with_another_models_parameters_recomputes_with_them():
     _assert_same_function(Ensemble, ["net.blocks"], torch.randn(6, WIDTH))
 
 
+class Counted(nn.Module):
+    """A block whose forward reads two plain attributes: ``scale``, which its parent sets
+    before each call, and ``calls``, which the forward itself counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.scale = 1.0
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + torch.tanh(self.fc(x) * self.scale * (1 + 0.1 * self.calls))
+
+
+class ScaledCalls(nn.Module):
+    """Each block called three times with another ``scale``, then ``scale`` changed again
+    after the forward, before backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Counted() for _ in range(2))
+
+    def forward(self, x):
+        for step in range(3):
+            for blk in self.blocks:
+                blk.scale = 1.0 + step
+                x = blk(x)
+        for blk in self.blocks:
+            blk.scale = 5.0
+        return x
+
+
+def test_attributes_the_parent_or_the_forward_change_are_replayed_as_they_were():
+    """A replay sets each call's plain attributes to their values before that call in the
+    forward and puts back the current ones: gradients differed by 6.8 before (the replay read
+    the last ``scale`` and counted ``calls`` on from where the forward stopped), and each
+    replay added to ``calls`` (6 after one step where the forward counted 3)."""
+    _assert_same_function(ScaledCalls, ["blocks"], torch.randn(6, WIDTH))
+    for name, overrides in RECOMPUTING:
+        torch.manual_seed(0)
+        model = ScaledCalls()
+        build_strategy(name, **overrides).apply(model, ["blocks"])
+        sgd_steps(model, torch.randn(6, WIDTH), steps=2)
+        assert [blk.calls for blk in model.blocks] == [6, 6], name
+        assert [blk.scale for blk in model.blocks] == [5.0, 5.0], name
+
+
+def test_eval_between_forward_and_backward_replays_in_training_mode():
+    """``model.eval()`` after the forward (a validation hook before backward): the replay
+    runs each call as the forward did, with batch statistics and the same dropout masks."""
+    def run(name, overrides):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH),
+                                              nn.Dropout(0.3), nn.Tanh()) for _ in range(4)])
+        if name is not None:
+            build_strategy(name, **overrides).apply(model, [""])
+        torch.manual_seed(1)
+        out = model.train()(torch.randn(8, WIDTH))
+        model.eval()
+        out.square().sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}, model.state_dict()
+
+    grads, state = run(None, {})
+    for name, overrides in RECOMPUTING:
+        got, got_state = run(name, overrides)
+        for key, grad in grads.items():
+            assert torch.equal(got[key], grad), f"{name}: {key}"
+        for key, value in state.items():
+            assert torch.equal(got_state[key], value), f"{name}: {key}"
+
+
 class ScriptedInside(nn.Module):
     """An eager block whose MLP is a TorchScript module (torch.jit.script)."""
 

@@ -43,6 +43,11 @@ What the replay keeps from the forward:
   checkpoint, as the planner models it (:func:`remat.planner.search.replayable_segments`);
   a block with parameters keeps the copy (a chain of ``x += pos`` blocks joined into one
   segment peaked 1.05x ``none``, with copies 0.68x: 4 such blocks, 64 px, CPU);
+- plain Python attributes of the unit's modules (numbers, strings, booleans, ``None``,
+  tuples of them: a scale the parent sets before each call, a counter the forward
+  increments, ``training``) are set, before each call's replay, to their values before
+  that call in the forward, and put back after the replay: a parent that changes them
+  between calls, or after the forward, no longer changes what the replay computes;
 - SyncBatchNorm in a recomputed unit would all-reduce again during the replay (one more
   collective per layer per step): a call that would do so is refused naming the module;
 - a key/value cache passed to a recomputed layer in training would be appended to twice;
@@ -276,6 +281,17 @@ def _is_norm_stat(module: nn.Module, name: str) -> bool:
             and module.track_running_stats)
 
 
+_ABSENT = object()
+
+
+def _plain(value: Any) -> bool:
+    """A Python value a forward may read as a setting: a number, string, boolean, ``None``,
+    or a tuple of them (not a tensor, module, container or callable)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, tuple) and all(_plain(v) for v in value)
+
+
 def _initialised(buf: Any) -> bool:
     return isinstance(buf, torch.Tensor) and not isinstance(
         buf, torch.nn.parameter.UninitializedBuffer)
@@ -302,11 +318,15 @@ class _StateGuard:
         # and restores the module's own before backward): references, no copies
         self.tensors: list[tuple[dict, str, Any]] = []
         self.scripted = False  # the unit runs TorchScript modules
+        # each module's plain Python attributes before the call (_plain), for the replay
+        self.attributes: list[tuple[dict, dict[str, Any]]] = []
         seen: dict[int, torch.Generator] = {id(g): g for g in generators}
         for m in module.modules():
             if isinstance(m, torch.jit.ScriptModule):
                 self.scripted = True
                 continue  # its state lives in TorchScript's tables (no functional_call)
+            table = vars(m)
+            self.attributes.append((table, {k: v for k, v in table.items() if _plain(v)}))
             if isinstance(m, _compat.NormBase) and m.track_running_stats and m.training:
                 self.norms.append(m)
             params, buffers = _compat.parameter_table(m), _compat.buffer_table(m)
@@ -348,6 +368,25 @@ class _StateGuard:
         """Set every generator the call drew from back to its state before the call."""
         for gen, before in self.generators:
             gen.set_state(before)
+
+    def rewind_attributes(self, originals: dict[tuple[int, str], tuple[dict, str, Any]]
+                          ) -> None:
+        """Set the modules' plain attributes to their values before the call; the value each
+        had before the replay goes into ``originals`` (once per attribute), to be put back
+        with :func:`_put_back_attributes`."""
+        for table, before in self.attributes:
+            for name, value in before.items():
+                originals.setdefault((id(table), name), (table, name,
+                                                         table.get(name, _ABSENT)))
+                table[name] = value
+
+
+def _put_back_attributes(originals: dict[tuple[int, str], tuple[dict, str, Any]]) -> None:
+    for table, name, value in originals.values():
+        if value is _ABSENT:
+            table.pop(name, None)
+        else:
+            table[name] = value
 
 
 @contextlib.contextmanager
@@ -601,14 +640,17 @@ class _Tape:
         devices = sorted({d for call in self.calls for d in call.devices})
         device_type = next((c.device_type for c in self.calls if c.devices), "cuda")
         outputs: list[list[Any]] = []
+        attributes: dict[tuple[int, str], tuple[dict, str, Any]] = {}
         with torch.random.fork_rng(devices=devices, device_type=device_type), \
                 _replaying([call.guard for call in self.calls],
                            getattr(self.recompute_ctx, "rewrites_state", True)), \
-                self.recompute_ctx:
+                self.recompute_ctx, contextlib.ExitStack() as stack:
+            stack.callback(_put_back_attributes, attributes)
             for call in self.calls:
                 self.current = call.path
                 torch.set_rng_state(call.cpu_rng)
                 call.guard.rewind_generators()
+                call.guard.rewind_attributes(attributes)
                 if call.devices:
                     _ckpt.set_device_states(call.devices, call.device_rng,
                                             device_type=call.device_type)

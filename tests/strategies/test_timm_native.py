@@ -254,3 +254,34 @@ def test_reentrant_timm_checkpointing_is_refused(vit):
             TimmNative().apply(copy.deepcopy(vit), ["blocks"])
     finally:
         set_reentrant_ckpt(False)
+
+
+@pytest.mark.parametrize("strategy", ["full", "sqrtn"])
+def test_the_models_own_checkpointing_is_switched_off(strategy, caplog):
+    """timm's own checkpointing left on under a remat strategy: its recompute ran BatchNorm a
+    second time (running_var off by 3.67 in a trial's efficientnet_b0) and remat's stage
+    wrappers never ran (timm calls the blocks itself). Applying a recomputing strategy
+    switches it off with a warning; the model then trains as plain ``none`` does."""
+    from tests.strategies.common import sgd_steps
+
+    def effnet():
+        torch.manual_seed(0)
+        return timm.create_model("efficientnet_b0", pretrained=False, drop_path_rate=0.2,
+                                 num_classes=4)
+
+    x = torch.randn(2, 3, 32, 32)
+    ref = sgd_steps(effnet(), x, seed=1)
+    model = effnet()
+    model.set_grad_checkpointing(True)
+    with caplog.at_level("WARNING", logger="remat.strategies.base"):
+        report = build_strategy(strategy).apply(model, ["blocks.*"])
+    assert model.grad_checkpointing is False
+    assert f"strategy '{strategy}' switched off the model's own gradient checkpointing in " \
+        "the model itself" in caplog.text
+    got = sgd_steps(model, x, seed=1)
+    assert len(report.wrapped) == 16  # the blocks of the 7 stages
+    assert torch.equal(got[0], ref[0])
+    for key, value in ref[2].items():  # BatchNorm statistics: updated once per forward
+        assert torch.equal(got[2][key], value), key
+    for key, grad in ref[1].items():
+        torch.testing.assert_close(got[1][key], grad, rtol=1e-5, atol=1e-6, msg=key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,6 +16,34 @@ from remat.strategies.stages import AUTO, auto_stages, resolve_stages
 #: (:meth:`CheckpointStrategy.state_for_checkpoint`: a plan and what it was planned for),
 #: as plain data.
 STRATEGY_STATE_KEY = "remat_strategy"
+
+log = logging.getLogger(__name__)
+
+
+def own_checkpointing_off(model: nn.Module) -> list[str]:
+    """Switch off a model's own gradient checkpointing wherever it is on: Hugging Face
+    models (``is_gradient_checkpointing``; ``gradient_checkpointing_disable()``), timm
+    modules (``grad_checkpointing``; ``set_grad_checkpointing(False)``, or the flag of a
+    timm stage) and MONAI blocks (``use_checkpoint``, e.g. SwinUNETR's Swin blocks).
+    Returns the paths switched off (``""``: the model itself), outermost first."""
+    switched = []
+    for path, module in model.named_modules():
+        library = type(module).__module__.split(".")[0]
+        if getattr(module, "is_gradient_checkpointing", False) is True and callable(
+                getattr(module, "gradient_checkpointing_disable", None)):
+            module.gradient_checkpointing_disable()
+        elif getattr(module, "grad_checkpointing", False) is True and library == "timm":
+            setter = getattr(module, "set_grad_checkpointing", None)
+            if callable(setter):
+                setter(False)
+            else:
+                module.grad_checkpointing = False
+        elif getattr(module, "use_checkpoint", False) is True and library == "monai":
+            module.use_checkpoint = False
+        else:
+            continue
+        switched.append(f"'{path}'" if path else "the model itself")
+    return switched
 
 
 @dataclass
@@ -101,6 +130,16 @@ class CheckpointStrategy:
         resolved = resolve_stages(model, stages)
         for path, module in resolved:
             self.check_stage(path, module)
+        if self.recomputes:
+            switched = own_checkpointing_off(model)
+            if switched:
+                log.warning("strategy '%s' switched off the model's own gradient "
+                            "checkpointing in %s: the strategy decides what is recomputed "
+                            "(both on, the model's own recompute runs BatchNorm a second "
+                            "time, updating its running statistics twice, and remat's "
+                            "estimates and plans do not hold)", self.name,
+                            ", ".join(switched[:3]) + (f" and {len(switched) - 3} more"
+                                                       if len(switched) > 3 else ""))
         wrapping.unwrap_all(model)
         report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
         try:

@@ -236,16 +236,18 @@ def test_a_kv_cache_is_dropped_in_training_with_a_warning_and_kept_in_eval():
 
 
 class Router(nn.Module):
-    """A data-dependent branch that flips between forward and recompute (a router)."""
+    """A branch that flips between forward and recompute (a router), on state the replay
+    does not rewind: a count kept in a list (a plain ``int`` attribute is rewound; see
+    tests/strategies/test_module_state.py)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.small, self.big = nn.Linear(4, 4), nn.Linear(4, 16)
-        self.calls = 0
+        self.calls = [0]
 
     def forward(self, x):
-        self.calls += 1
-        if self.calls % 2:
+        self.calls[0] += 1
+        if self.calls[0] % 2:
             return self.small(x).relu()
         return self.big(x).relu()[:, :4]
 

@@ -190,6 +190,57 @@ def test_in_place_op_on_a_saved_output_matches_none(mode):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+class _ChunkedGates(nn.Module):
+    """The in-place pattern of torch's GRU cell on CPU: gates from two linears, split with
+    ``unsafe_chunk`` (views its schema does not mark), changed in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 16)
+
+    def forward(self, x):
+        hi, hh = self.a(x).unsafe_chunk(2, -1), self.b(x).unsafe_chunk(2, -1)
+        r = hh[0].add_(hi[0]).sigmoid_()
+        return hi[1].add_(r * hh[1]).tanh_()
+
+
+class _GRUCells(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(8, 8)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, x):
+        h = torch.zeros_like(x)
+        for _ in range(3):
+            h = self.cell(x, h)
+        return self.gru(h.unsqueeze(1))[0].squeeze(1)
+
+
+@pytest.mark.parametrize("policy", ["matmul", "attention"])
+@pytest.mark.parametrize("make", [_ChunkedGates, _GRUCells], ids=["unsafe_chunk", "gru"])
+def test_in_place_ops_on_unmarked_views_of_saved_outputs_match_none(make, policy):
+    """Writes into ``unsafe_chunk`` views of a saved linear output: the replay wrote into the
+    cached output a second time, changing the block's output after backward (by 0.20) and
+    its gradients (by 0.42)."""
+    torch.manual_seed(0)
+    base = nn.Module()
+    base.blocks = nn.Sequential(make(), nn.Linear(8, 8), make())
+    x = torch.randn(4, 8)
+    results = []
+    for strategy in (build_strategy("none"), SelectiveCheckpoint(policy)):
+        model = copy.deepcopy(base)
+        strategy.apply(model, ["blocks"])
+        out = model.blocks(x)
+        before = out.detach().clone()
+        out.square().sum().backward()
+        assert torch.equal(out.detach(), before)  # the backward wrote nothing into it
+        results.append((before, [p.grad for p in model.parameters()]))
+    assert torch.equal(results[1][0], results[0][0])
+    for got, want in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_in_place_change_after_a_recomputed_read_is_refused():
     base = nn.Module()
     base.blocks = nn.Sequential(_InPlace("after_read"))

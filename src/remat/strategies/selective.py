@@ -50,9 +50,11 @@ A few more rules keep the function the same:
   information worth memory;
 - an in-place op is saved when it changes a saved tensor (its result is then the saved
   value) and recomputed when it changes a recomputed one, so the recompute sees the same
-  values as the forward. The whole-tensor ``clone`` autograd takes of a saved tensor before
-  an in-place op whose backward needs the old values (``silu_``, ``hardtanh_``, as in
-  EfficientNet and MobileNet blocks) is saved too. Any other recomputed op that read a
+  values as the forward. The ``clone`` autograd takes of a saved tensor (or of a view of one)
+  before an in-place op whose backward needs the old values (``silu_``, ``hardtanh_``, as in
+  EfficientNet and MobileNet blocks, ``mul_`` on a chunk of a GRU cell's gates) is saved
+  too. Views whose schema does not say so (``unsafe_chunk``, ``_unsafe_view``) count as
+  views of the storage they live in. Any other recomputed op that read a
   saved tensor before an in-place op changed it cannot be replayed: the forward raises
   :class:`RuntimeError` naming both ops. (Changes made to a block's output after the block
   returns are outside the policy's view.)
@@ -177,14 +179,13 @@ def _is_random(op, args, kwargs) -> bool:
 
 
 def _is_backup_of_saved(policy: RegionPolicy, args, kwargs) -> bool:
-    """Whether ``clone`` copies a whole saved tensor as it is (the backup autograd takes
-    before an in-place op), not a part of it or into another layout (``.contiguous()``)."""
+    """Whether ``clone`` copies a saved tensor, or a view of one, as it is (the backup
+    autograd takes before an in-place op: a GRU cell's ``mul_`` on a chunk of its saved
+    gates), not into another layout (``.contiguous()``)."""
     t = args[0] if args else None
     if not isinstance(t, torch.Tensor) or not policy.saved.get(policy.key(t)):
         return False
-    return (kwargs.get("memory_format") in (None, torch.preserve_format)
-            and t.storage_offset() == 0
-            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+    return kwargs.get("memory_format") in (None, torch.preserve_format)
 
 
 @dataclass(eq=False)
@@ -291,6 +292,7 @@ class RegionPolicy:
         self.saves_nothing = False
         self._counts: dict[object, int] = {}
         self._last: tuple[list, list] = ([], [])
+        self._views: list[bool] = []  # per return of the last op: lives in an argument's
 
     def note_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
         """The tensors a call of the block gets that its region keeps (not outputs of its
@@ -323,14 +325,14 @@ class RegionPolicy:
             # placeholder for an unread x has too (_Unread): x need not be kept for them
             reads = []
         schema = _compat.op_schema(op)
-        made = [k for ret, value in zip(schema.returns, _tensors_per_return(out, schema),
-                                        strict=False) if ret.alias_info is None
+        views = self._views
+        made = [k for view, value in zip(views, _tensors_per_return(out, schema),
+                                         strict=False) if not view
                 for k in map(self.key, value) if k is not None]
         self.ops.append(_Op(key, index, decision is _SAVE, made, reads, writes,
                             _meta(out, self.key),
                             op_flops(op, args, kwargs, out),
-                            any(r.alias_info is not None for r in schema.returns),
-                            _is_random(op, args, kwargs)))
+                            any(views), _is_random(op, args, kwargs)))
         return decision
 
     def settle(self) -> tuple[set[int], set[int], set[tuple]]:
@@ -502,7 +504,8 @@ class RegionPolicy:
              else read).extend(keys)
         self.written.update(written)
         self._last = (read, written)
-        aliasing = any(r.alias_info is not None for r in schema.returns)
+        self._views = _views_per_return(schema, args, kwargs, out)
+        aliasing = any(self._views)
         random = _is_random(op, args, kwargs)
 
         mutated = [self.saved[k] for k in written if k in self.saved]
@@ -542,8 +545,8 @@ class RegionPolicy:
                     self.read_by_recompute.setdefault(key, _op_name(op))
         core = self.follow_core and decision is _RECOMPUTE and (
             reads_core or op.overloadpacket in _ATTENTION_CORE)
-        for ret, value in zip(schema.returns, _tensors_per_return(out, schema), strict=False):
-            if ret.alias_info is not None:
+        for view, value in zip(self._views, _tensors_per_return(out, schema), strict=False):
+            if view:
                 continue  # a view or an in-place result: same storage, same standing
             for t in value:
                 key = self.key(t, new=True)
@@ -681,6 +684,18 @@ def _tensors_per_return(out, schema) -> list[list[torch.Tensor]]:
     if len(schema.returns) == 1:
         return [_tensors(out)]
     return [_tensors(o) for o in out] if isinstance(out, tuple | list) else []
+
+
+def _views_per_return(schema, args: tuple, kwargs: dict, out) -> list[bool]:
+    """For each return of the op: whether it lives in the storage of an argument (a view or
+    an in-place result). The schema says so for most ops; ``unsafe_chunk``,
+    ``unsafe_split`` and ``_unsafe_view`` return views their schema does not mark, which
+    GRU cells write into in place."""
+    inputs = {storage_key(t) for t in _tensors(list(args)) + _tensors(list(kwargs.values()))}
+    inputs.discard(None)
+    return [ret.alias_info is not None or any(storage_key(t) in inputs for t in value)
+            for ret, value in zip(schema.returns, _tensors_per_return(out, schema),
+                                  strict=False)]
 
 
 class SelectiveCheckpoint(RecomputeStrategy):

@@ -426,6 +426,15 @@ def inductor_backend(options: dict[str, Any]) -> Callable:
     return functools.partial(compile_fx, config_patches=dict(options))
 
 
+def custom_graph_pass_base() -> type:
+    """``torch._inductor.custom_graph_pass.CustomGraphPass`` (torch 2.13-2.14): the base of
+    an inductor FX graph pass (``post_grad_custom_post_pass``) whose ``uuid()`` keeps
+    inductor's FX graph cache usable. Retired by a public graph-pass API."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
 def inductor_config_names() -> set[str]:
     """The setting names of inductor's config module (``torch._inductor.config``)."""
     return set(inductor_config_values())

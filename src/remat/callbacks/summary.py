@@ -192,7 +192,9 @@ def compiled_of(pl_module: Any) -> dict[str, Any] | None:
     backend = getattr(pl_module, "compile_backend", None)
     if backend is None:
         return None
-    return {"backend": backend.backend, "options": dict(backend.options),
+    options = {k: v if v is None or isinstance(v, bool | int | float | str) else repr(v)
+               for k, v in backend.options.items()}  # a graph pass object by its name
+    return {"backend": backend.backend, "options": options,
             "memory_budget": backend.memory_budget, "graphs": int(backend.graphs)}
 
 

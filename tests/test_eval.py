@@ -147,6 +147,16 @@ def test_group_by_pools_metrics_per_group(tmp_path, trained):
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="ckpt_path=.*nothing.ckpt: no such file"):
         evaluate(compose_eval(tmp_path, [f"ckpt_path={tmp_path / 'nothing.ckpt'}"]))
+    from remat.models.checks import read_checkpoint
+
+    (tmp_path / "ckpts").mkdir()
+    (tmp_path / "ckpts" / "last.ckpt").write_text("174812789\n")  # not torch.save's
+    with pytest.raises(FileNotFoundError, match=r"ckpts is a folder, not a checkpoint file.*"
+                                                r"it holds last.ckpt"):
+        read_checkpoint(tmp_path / "ckpts")
+    with pytest.raises(ValueError, match=r"last.ckpt is not a checkpoint: torch.save writes a "
+                                         r"zip archive and this file is none"):
+        read_checkpoint(tmp_path / "ckpts" / "last.ckpt")
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, trained):

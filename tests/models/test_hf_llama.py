@@ -87,6 +87,12 @@ def test_another_architectures_settings_are_named(caplog):
     with caplog.at_level("WARNING", logger="remat.models.hf"):
         SequenceModule(vocab_size=65, net=_llama(), stages=["model.layers"])
     assert not [r for r in caplog.records if r.name == "remat.models.hf"]
+    # a misspelling of a name GPT-2 maps onto its own keys is refused like any other
+    net = GPT2LMHeadModel(GPT2Config(vocab_size=65, n_positions=16, hidden_size=32,
+                                     n_layer=1, num_attention_heads=2, num_hiden_layers=2))
+    with pytest.raises(ValueError, match=r"num_hiden_layers: GPT2Config has no setting.*did "
+                                         r"you mean model.net.config.num_hidden_layers\?"):
+        SequenceModule(vocab_size=65, net=net, stages=["transformer.h"])
 
 
 def test_one_sampling_loop_for_gpt_and_hf_nets():

@@ -285,3 +285,18 @@ def test_the_models_own_checkpointing_is_switched_off(strategy, caplog):
         assert torch.equal(got[2][key], value), key
     for key, grad in ref[1].items():
         torch.testing.assert_close(got[1][key], grad, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_subclass_of_a_timm_model_has_its_own_checkpointing_switched_off_too():
+    """A user's subclass of a timm model (defined outside timm) kept timm's checkpointing
+    on: BatchNorm statistics off by 0.18 and a warning blaming the stages."""
+    from timm.models.resnet import BasicBlock, ResNet
+
+    class Mine(ResNet):
+        pass
+
+    torch.manual_seed(0)
+    model = Mine(block=BasicBlock, layers=[1, 1, 1, 1], num_classes=4)
+    model.set_grad_checkpointing(True)
+    build_strategy("sqrtn").apply(model, ["layer1", "layer2", "layer3", "layer4"])
+    assert model.grad_checkpointing is False

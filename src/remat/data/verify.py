@@ -145,11 +145,12 @@ def _classes_not_in_train(totals: Mapping[str, torch.Tensor], ignore_index: int,
         missing = [v for v in range(len(counts))
                    if counts[v] > 0 and train[v] == 0 and v != ignore_index]
         for value in missing:
-            name = f" ({class_names[value]})" if value < len(class_names) else ""
+            name = (f" ({class_names[value]})" if value < len(class_names)
+                    and class_names[value] != f"class{value}" else "")
             lines.append(f"class {value}{name} is in the {split} masks ({int(counts[value])} "
                          "pixels) but in no train mask: the network never learns it, so its "
                          f"{split} Dice and IoU stay 0; put some of its images in the train "
-                         "split (for data=folder: another data.split_seed, or data.split_file)")
+                         "split")
     return lines
 
 

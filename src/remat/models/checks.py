@@ -7,6 +7,7 @@ import inspect
 import logging
 import math
 import pickle
+import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,12 @@ def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     path = Path(ckpt_path)
     if is_sharded_checkpoint(path):
         return _read_sharded(path, ckpt_path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.ckpt"))
+        raise FileNotFoundError(
+            f"ckpt_path={ckpt_path} is a folder, not a checkpoint file (expected a Lightning "
+            "checkpoint such as <run dir>/checkpoints/last.ckpt)"
+            + (f"; it holds {', '.join(inside[:5])}" if inside else ""))
     if not path.is_file():
         # a run killed while writing its first last.ckpt has others beside it (the epoch's)
         others = sorted(p.name for p in path.parent.glob("*.ckpt")) if path.parent.is_dir() \
@@ -300,12 +307,16 @@ def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
                                 f"checkpoint such as <run dir>/checkpoints/last.ckpt){beside}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:  # a global weights_only does not allow
-        raise ValueError(f"ckpt_path={ckpt_path} holds objects that torch.load("
-                         f"weights_only=True) refuses to unpickle: {err}") from err
     except Exception as err:  # torch raises several types for a corrupt/foreign file
-        raise ValueError(f"ckpt_path={ckpt_path} could not be read as a torch checkpoint: "
-                         f"{err}") from err
+        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+            raise ValueError(f"ckpt_path={ckpt_path} is not a checkpoint: torch.save writes a "
+                             "zip archive and this file is none (a text file, a download's "
+                             "error page, or a copy cut short?)") from err
+        if isinstance(err, pickle.UnpicklingError):  # a global weights_only does not allow
+            raise ValueError(f"ckpt_path={ckpt_path} holds objects that torch.load("
+                             f"weights_only=True) refuses to unpickle: {err}") from err
+        raise ValueError(f"ckpt_path={ckpt_path} could not be read as a torch checkpoint "
+                         f"({type(err).__name__}: {err})") from err
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise ValueError(f"ckpt_path={ckpt_path} is not a Lightning checkpoint (no "
                          "'state_dict' entry)")

@@ -55,9 +55,11 @@ def check_config_keys(net: nn.Module, key: str = "model.net.config") -> None:
         known = set(type(config)().to_dict())
     except Exception:  # noqa: BLE001 - a config class that needs arguments: not checked
         return
+    # the names a class maps onto its own keys (GPT-2's num_hidden_layers -> n_layer)
+    names = known | set(getattr(type(config), "attribute_map", {}) or {})
     unknown = []
     for extra in sorted(set(config.to_dict()) - known):
-        near = difflib.get_close_matches(extra, sorted(known), n=1, cutoff=0.8)
+        near = difflib.get_close_matches(extra, sorted(names), n=1, cutoff=0.8)
         if near:
             raise ValueError(f"{key}.{extra}: {type(config).__name__} has no setting "
                              f"{extra!r}, so it would be ignored; did you mean "

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from remat import _compat
 from remat.strategies import wrapping
 from remat.strategies.stages import AUTO, auto_stages, resolve_stages
 
@@ -26,24 +27,26 @@ def own_checkpointing_off(model: nn.Module) -> list[str]:
     modules (``grad_checkpointing``; ``set_grad_checkpointing(False)``, or the flag of a
     timm stage) and MONAI blocks (``use_checkpoint``, e.g. SwinUNETR's Swin blocks).
     Returns the paths switched off (``""``: the model itself), outermost first."""
-    switched = []
+    switched: list[str] = []
     for path, module in model.named_modules():
-        library = type(module).__module__.split(".")[0]
+        # a user's subclass of a timm or MONAI model counts as theirs
+        libraries = {cls.__module__.split(".")[0] for cls in type(module).__mro__}
         if getattr(module, "is_gradient_checkpointing", False) is True and callable(
                 getattr(module, "gradient_checkpointing_disable", None)):
             module.gradient_checkpointing_disable()
-        elif getattr(module, "grad_checkpointing", False) is True and library == "timm":
+        elif getattr(module, "grad_checkpointing", False) is True and "timm" in libraries:
             setter = getattr(module, "set_grad_checkpointing", None)
             if callable(setter):
                 setter(False)
             else:
                 module.grad_checkpointing = False
-        elif getattr(module, "use_checkpoint", False) is True and library == "monai":
+        elif getattr(module, "use_checkpoint", False) is True and "monai" in libraries:
             module.use_checkpoint = False
         else:
             continue
-        switched.append(f"'{path}'" if path else "the model itself")
-    return switched
+        if not any(path.startswith(f"{outer}.") for outer in switched):
+            switched.append(path)  # outermost only: a MONAI layer and its blocks are one
+    return [f"'{path}'" if path else "the model itself" for path in switched]
 
 
 @dataclass
@@ -133,13 +136,16 @@ class CheckpointStrategy:
         if self.recomputes:
             switched = own_checkpointing_off(model)
             if switched:
+                norms = any(isinstance(m, _compat.NormBase)
+                            and m.track_running_stats for m in model.modules())
                 log.warning("strategy '%s' switched off the model's own gradient "
                             "checkpointing in %s: the strategy decides what is recomputed "
-                            "(both on, the model's own recompute runs BatchNorm a second "
-                            "time, updating its running statistics twice, and remat's "
-                            "estimates and plans do not hold)", self.name,
-                            ", ".join(switched[:3]) + (f" and {len(switched) - 3} more"
-                                                       if len(switched) > 3 else ""))
+                            "(with both on, remat's estimates and plans do not hold%s)",
+                            self.name, ", ".join(switched[:3]) + (
+                                f" and {len(switched) - 3} more" if len(switched) > 3
+                                else ""),
+                            ", and the model's own recompute updates the running statistics "
+                            "of its norms a second time" if norms else "")
         wrapping.unwrap_all(model)
         report = StrategyReport(strategy=self.name, stages=[p for p, _ in resolved])
         try:

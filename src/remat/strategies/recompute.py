@@ -43,11 +43,14 @@ What the replay keeps from the forward:
   checkpoint, as the planner models it (:func:`remat.planner.search.replayable_segments`);
   a block with parameters keeps the copy (a chain of ``x += pos`` blocks joined into one
   segment peaked 1.05x ``none``, with copies 0.68x: 4 such blocks, 64 px, CPU);
-- plain Python attributes of the unit's modules (numbers, strings, booleans, ``None``,
-  tuples of them: a scale the parent sets before each call, a counter the forward
-  increments, ``training``) are set, before each call's replay, to their values before
-  that call in the forward, and put back after the replay: a parent that changes them
-  between calls, or after the forward, no longer changes what the replay computes;
+- the settings among the unit's modules' attributes (numbers, strings, booleans, enum
+  members, dtypes, ``None``, tensors of a few elements, tuples of them: a scale the parent
+  sets before each call, a counter the forward increments, ``training``, a flag a first
+  call sets) are set, before each call's replay, to their values before that call in the
+  forward (a setting the call added is taken away), and put back after the replay: a
+  parent that changes them between calls, or after the forward, no longer changes what
+  the replay computes. Lists, dicts and larger tensors the forward reads are the replay's
+  as they are then (a reference would show their later changes; a copy would keep memory);
 - SyncBatchNorm in a recomputed unit would all-reduce again during the replay (one more
   collective per layer per step): a call that would do so is refused naming the module;
 - a key/value cache passed to a recomputed layer in training would be appended to twice;
@@ -68,6 +71,7 @@ or a replay) runs as it is: only the outermost checkpoint recomputes.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
 import numbers
@@ -282,14 +286,25 @@ def _is_norm_stat(module: nn.Module, name: str) -> bool:
 
 
 _ABSENT = object()
+_OTHER = object()  # an attribute that is not a setting: present, left as it is
 
 
-def _plain(value: Any) -> bool:
-    """A Python value a forward may read as a setting: a number, string, boolean, ``None``,
-    or a tuple of them (not a tensor, module, container or callable)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+#: a tensor attribute up to this many elements is a setting (a scale, a temperature)
+_SETTING_NUMEL = 64
+
+
+def _setting(value: Any) -> bool:
+    """A value a forward may read as a setting, which a replay can hand back by reference
+    without keeping memory alive: ``None``, a number (numpy's and ``Fraction`` too), string,
+    bytes, enum member, ``torch.dtype`` or ``torch.device``, a tensor of at most
+    :data:`_SETTING_NUMEL` elements, or a tuple or frozenset of them. Not a list, dict, set
+    (changed in place, a reference shows the changes) or larger tensor (a cache)."""
+    if value is None or isinstance(value, numbers.Number | str | bytes | enum.Enum
+                                   | torch.dtype | torch.device):
         return True
-    return isinstance(value, tuple) and all(_plain(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.numel() <= _SETTING_NUMEL
+    return isinstance(value, tuple | frozenset) and all(_setting(v) for v in value)
 
 
 def _initialised(buf: Any) -> bool:
@@ -318,7 +333,7 @@ class _StateGuard:
         # and restores the module's own before backward): references, no copies
         self.tensors: list[tuple[dict, str, Any]] = []
         self.scripted = False  # the unit runs TorchScript modules
-        # each module's plain Python attributes before the call (_plain), for the replay
+        # each module's settings before the call (_setting), for the replay
         self.attributes: list[tuple[dict, dict[str, Any]]] = []
         seen: dict[int, torch.Generator] = {id(g): g for g in generators}
         for m in module.modules():
@@ -326,7 +341,8 @@ class _StateGuard:
                 self.scripted = True
                 continue  # its state lives in TorchScript's tables (no functional_call)
             table = vars(m)
-            self.attributes.append((table, {k: v for k, v in table.items() if _plain(v)}))
+            self.attributes.append((table, {k: v if _setting(v) else _OTHER
+                                            for k, v in table.items()}))
             if isinstance(m, _compat.NormBase) and m.track_running_stats and m.training:
                 self.norms.append(m)
             params, buffers = _compat.parameter_table(m), _compat.buffer_table(m)
@@ -371,11 +387,17 @@ class _StateGuard:
 
     def rewind_attributes(self, originals: dict[tuple[int, str], tuple[dict, str, Any]]
                           ) -> None:
-        """Set the modules' plain attributes to their values before the call; the value each
-        had before the replay goes into ``originals`` (once per attribute), to be put back
-        with :func:`_put_back_attributes`."""
+        """Set the modules' settings to their values before the call, and take away the
+        settings the call added (a flag set at a first call, ``self.warm = True``); the
+        value each had before the replay goes into ``originals`` (once per attribute), to
+        be put back with :func:`_put_back_attributes`."""
         for table, before in self.attributes:
+            for name in [n for n in table if n not in before and _setting(table[n])]:
+                originals.setdefault((id(table), name), (table, name, table[name]))
+                del table[name]
             for name, value in before.items():
+                if value is _OTHER:
+                    continue
                 originals.setdefault((id(table), name), (table, name,
                                                          table.get(name, _ABSENT)))
                 table[name] = value

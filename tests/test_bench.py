@@ -676,6 +676,12 @@ def test_compiled_training_and_rows_turn_layout_optimization_off_under_the_users
     assert training_options({"layout_optimization": True}) == {
         **defaults, "layout_optimization": True}
     assert training_options({"allow_buffer_reuse": True})["allow_buffer_reuse"] is True
+    from remat.compiling import options_record
+
+    # summary.json and bench.json record the pass by name (json.dumps refused the object)
+    assert json.loads(json.dumps(options_record(training_options(None)))) == {
+        "layout_optimization": False, "allow_buffer_reuse": False,
+        "post_grad_custom_post_pass": "remat.compiling.late_sums_apart()"}
 
 
 @pytest.mark.slow  # four inductor compiles of a GPT: make test-all

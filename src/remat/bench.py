@@ -70,7 +70,12 @@ from remat.benchmarking import (
     reference_rows,
     write_csv,
 )
-from remat.compiling import TRAINING_BACKEND, check_compile_options, training_options
+from remat.compiling import (
+    TRAINING_BACKEND,
+    check_compile_options,
+    options_record,
+    training_options,
+)
 from remat.config import config_dir
 from remat.errors import run_entry
 from remat.measure import DeviceSlot, device_name
@@ -243,7 +248,7 @@ def bench(cfg: DictConfig) -> dict[str, Any]:
         "torch_version": torch.__version__, "machine": platform.machine(),
         "warmup": int(cfg.warmup), "steps": int(cfg.steps), "peak_by": peak_by,
         "compiled": compiled, "compile_backend": backend if compiled else None,
-        "compile_options": compile_options,
+        "compile_options": options_record(compile_options),
         "one_model_on_device": slot.swap, "notes": notes,
         "fsdp_world_size": mesh.size() if mesh is not None else None,
         "rows": [asdict(r) for r in rows],

@@ -218,6 +218,14 @@ def refuse_random_ops_recomputed(net: torch.nn.Module, budget: float | None, key
                          f"leave {key} at null and let the strategy's plan recompute")
 
 
+def options_record(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Inductor ``options`` as JSON-ready data, for ``summary.json`` and ``bench.json``:
+    numbers, strings, booleans and ``None`` as they are, anything else (a graph pass) by
+    its ``repr``."""
+    return {k: v if v is None or isinstance(v, bool | int | float | str) else repr(v)
+            for k, v in options.items()}
+
+
 def training_options(options: Any) -> dict[str, Any]:
     """Inductor settings for training's ``compile=true`` and the bench's inductor rows:
     :data:`DEFAULT_OPTIONS` (``layout_optimization=False`` and ``allow_buffer_reuse=False``,

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from remat.compiling import options_record
 from remat.measure import device_name
 from remat.run_shape import plain, shape_of
 
@@ -192,9 +193,7 @@ def compiled_of(pl_module: Any) -> dict[str, Any] | None:
     backend = getattr(pl_module, "compile_backend", None)
     if backend is None:
         return None
-    options = {k: v if v is None or isinstance(v, bool | int | float | str) else repr(v)
-               for k, v in backend.options.items()}  # a graph pass object by its name
-    return {"backend": backend.backend, "options": options,
+    return {"backend": backend.backend, "options": options_record(backend.options),
             "memory_budget": backend.memory_budget, "graphs": int(backend.graphs)}
 
 

@@ -28,7 +28,7 @@ against its own estimate of the graph's peak, which leaves out what a kernel all
 inside itself, so a recomputed block's MLP buffers (3 x 8 MiB) stayed alive through the
 next attention backward (``allow_buffer_reuse=False``); and its fusion of ``mm(a, b) + c``
 into an ``addmm`` that waits for a late ``c`` (a tied weight's gradient) held ``a`` and ``b``
-through the whole backward (:func:`late_sums_apart`). With both, compiled ``full`` peaks at
+through the whole backward (:func:`late_sums_apart`). With both off, compiled ``full`` peaks at
 138.0 MiB, ``sqrtn`` 225.1 (eager 225.1), compiled ``none`` 573.5 (eager 573.7).
 """
 

@@ -517,3 +517,22 @@ def test_a_bad_optimizer_setting_is_named_before_training(tmp_path, setting, mes
     with pytest.raises(ValueError, match=message):
         train(compose_train(tmp_path, [*TINY, setting]))
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_building_a_budget_strategy_leaves_the_run_s_random_numbers_alone(tmp_path,
+                                                                        monkeypatch):
+    """Building a budget strategy and planning it before the model is built (on a machine
+    without a CPU calibration yet: measured then, and models built and run): the weights
+    the run then draws are those of the same run without a budget."""
+    from remat.planner import devices
+    from remat.train import _strategy
+
+    monkeypatch.setenv(devices.CACHE_ENV, str(tmp_path / "cache"))
+    devices.calibrate_cpu.cache_clear()
+    cfg = compose_train(tmp_path, [*TINY, "strategy=budget", "strategy.memory=0.9"])
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    _strategy(cfg)
+    assert torch.equal(torch.rand(4), expected)
+    devices.calibrate_cpu.cache_clear()

@@ -2,8 +2,8 @@
 ``random``) as plain data, put back, or kept around a block of work.
 
 A resumed run puts back the states its checkpoint kept (:class:`remat.callbacks.ResumeState`);
-planning before the model is built (:func:`remat.planner.run.plan_for_run`) builds and
-traces models, which must not change the weights the run then draws.
+building a run's strategy before the model (``remat.train``: a budget is planned then, and
+planning builds and traces models) must not change the weights the run then draws.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from remat.planner.devices import known_devices, present_device_name
 from remat.planner.memory import PlanInputError
 from remat.planner.plan import SAVED_STATE_VERSION, Plan, PlanMismatch, PlanStrategy
 from remat.planner.planner import Planner
-from remat.rng import rng_kept
 from remat.strategies.base import STRATEGY_STATE_KEY
 from remat.strategies.stages import listed_stages
 
@@ -49,7 +48,9 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
     :class:`~remat.planner.PlanStrategy` of its plan (planned here, before the model is
     built); a replayed plan is checked against the run; anything else is returned as it is.
     Either warns when the plan is for another device than the run trains on
-    (:func:`warn_if_other_device`).
+    (:func:`warn_if_other_device`). Planning builds and runs models, which draws from the
+    global RNGs: the caller keeps them (``remat.train`` builds the strategy under
+    :func:`remat.rng.rng_kept`).
 
     Resuming (``ckpt``: the checkpoint at ``ckpt_path``, as
     :func:`remat.models.checks.read_checkpoint` read it), a budget takes the plan saved in
@@ -76,13 +77,12 @@ def plan_for_run(cfg: DictConfig, strategy: Any, ckpt: dict[str, Any] | None = N
                                sharding.reshard_after_forward) if ckpt is not None else None)
         if planned is None:
             build, batch_size, size, precision, accumulate = run_shape_of(cfg)
-            with rng_kept():  # planning builds models: the run's weights must not change
-                planned = strategy.planned(
-                    build, batch_size, size, precision, accumulate,
-                    default_stages=default_stages, world_size=sharding.world_size,
-                    reshard_after_forward=sharding.reshard_after_forward,
-                    size_key=run_shape.size_key_of(cfg.data, cfg.model),
-                    compiled=bool(cfg.get("compile", False)))
+            planned = strategy.planned(
+                build, batch_size, size, precision, accumulate,
+                default_stages=default_stages, world_size=sharding.world_size,
+                reshard_after_forward=sharding.reshard_after_forward,
+                size_key=run_shape.size_key_of(cfg.data, cfg.model),
+                compiled=bool(cfg.get("compile", False)))
         warn_if_other_device(planned.plan, cfg, None,
                              where=f"strategy.device={strategy.device}")
         return planned

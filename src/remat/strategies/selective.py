@@ -292,7 +292,7 @@ class RegionPolicy:
         self.saves_nothing = False
         self._counts: dict[object, int] = {}
         self._last: tuple[list, list] = ([], [])
-        self._views: list[bool] = []  # per return of the last op: lives in an argument's
+        self._views: list[bool] = []  # per return of the last op: in an argument's storage
 
     def note_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
         """The tensors a call of the block gets that its region keeps (not outputs of its

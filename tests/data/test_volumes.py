@@ -157,8 +157,8 @@ def test_data_check_names_each_bad_file_and_what_was_expected(tmp_path):
            "(24, 24, 24)" in message
     assert f"{affine_bad}: affine differs from its image case2.nii.gz" in message
     assert "expected the same voxel grid" in message
-    assert f"{values_bad}: label values [4] are not among data.num_classes's classes 0..1" \
-        in message
+    assert f"{values_bad}: label values [4] are not among data.num_classes's classes 0..1; " \
+        "more classes? set data.num_classes=5" in message
     # in the order of the names, not of the (seeded, random) train/val split
     assert message.index(str(shape_bad)) < message.index(str(affine_bad)) \
         < message.index(str(values_bad))
@@ -288,7 +288,9 @@ def test_the_data_check_of_split_all_names_all_splits(tmp_path):
     with pytest.raises(DataCheckError) as info:
         dm.setup("validate")
     assert str(info.value) == (f"volume folder at {root} (all splits): 1 bad volume(s): {bad}: "
-                               "label values [5] are not among data.num_classes's classes 0..1")
+                               "label values [5] are not among data.num_classes's classes "
+                               "0..1; more classes? set data.num_classes=6 (and "
+                               "data.class_names to name them)")
     with pytest.raises(DataCheckError, match=rf"^volume folder at {re.escape(str(root))} "
                                              r"\(train and val splits\): 1 bad volume"):
         _dm(root).setup("fit")

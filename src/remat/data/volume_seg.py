@@ -156,8 +156,12 @@ def check_volume_pair(pair: VolumePair, classes: int, channels: int,
     found = np.unique(values)
     bad = [v for v in found.tolist() if v != int(v) or not 0 <= int(v) < classes]
     if bad:
+        hint = ""
+        if source.startswith("data.") and all(v == int(v) and v >= 0 for v in bad):
+            hint = (f"; more classes? set {source}={int(max(bad)) + 1} "
+                    "(and data.class_names to name them)")
         return (f"{pair.label}: label values {bad[:5]} are not among {source}'s classes "
-                f"0..{classes - 1}")
+                f"0..{classes - 1}{hint}")
     if found_values is not None:
         found_values.update(int(v) for v in found.tolist())
     return None
